@@ -1,0 +1,1 @@
+"""Command line: one module per subcommand (parse -> call library -> render)."""

@@ -1,0 +1,1 @@
+"""Estimators: memory.py (per-component, per-phase peak), activations.py, throughput.py."""

@@ -1,0 +1,156 @@
+"""TrainingPlan: every knob of one way to train, per GPU. The estimator prices it, the planner
+searches over it, the emitters write it, the runner honours it.
+
+Knobs only, no behaviour beyond validation. Defaults are DeepSpeed's own defaults
+(deepspeed/runtime/zero/config.py), so a plan built from a user's default DeepSpeed config
+is estimated as DeepSpeed would run it; the planner sets them explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from memkit.errors import MemkitError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
+OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+OFFLOADS = ("none", "cpu", "nvme")
+CHECKPOINTING = ("none", "full")
+ATTENTIONS = ("eager", "sdpa", "flash")
+ENGINES = ("deepspeed", "torch")
+TP_ENGINES = ("autotp", "tp_plan")
+PP_ENGINES = ("torch", "deepspeed")
+PP_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingPlan:
+    precision: str = "bf16"
+    """fp32; fp16/bf16 = mixed precision with fp32 master weights; bf16-pure = everything in bf16."""
+    optimizer: str = "adamw"
+    zero_stage: int = 0
+    """ZeRO stage 0-3 (Rajbhandari et al. 2020, Sec. 5). With engine='torch', 3 means FSDP full shard."""
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    checkpointing: str = "none"
+    """'full': HF gradient_checkpointing_enable(), one checkpoint per block."""
+    attention: str = "sdpa"
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seq_len: int = 2048
+    dp: int = 1
+    """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
+    tp: int = 1
+    pp: int = 1
+    tp_engine: str = "autotp"
+    """How TP runs: DeepSpeed AutoTP ('autotp') or transformers tp_plan/DTensor ('tp_plan')."""
+    pp_engine: str = "torch"
+    """How PP runs: torch.distributed.pipelining ('torch') or DeepSpeed PipelineModule ('deepspeed')."""
+    pp_schedule: str = "1f1b"
+    lora_rank: int = 0
+    """0 = full fine-tuning."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    lora_alpha: int = 16
+    engine: str = "deepspeed"
+    """'deepspeed' (ZeRO via DeepSpeed) or 'torch' (plain PyTorch/AMP, DDP, FSDP)."""
+    # DeepSpeed ZeRO buffers, in elements (deepspeed/runtime/zero/config.py defaults).
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    gradient_clipping: float = 1.0
+
+    # ---- derived ----
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        """micro x accum x data-parallel ranks (sequences per optimizer step)."""
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision in ("fp16", "bf16")
+
+    def validate(self) -> "TrainingPlan":
+        """Raise MemkitError for any knob out of range or contradictory; return self."""
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("offload-optimizer", self.offload_optimizer, OFFLOADS)
+        _choice("offload-params", self.offload_params, OFFLOADS)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _choice("attention", self.attention, ATTENTIONS)
+        _choice("engine", self.engine, ENGINES)
+        _choice("tp engine", self.tp_engine, TP_ENGINES)
+        _choice("pp engine", self.pp_engine, PP_ENGINES)
+        _choice("pp schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise MemkitError(f"--zero {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+        for name in ("micro_batch_size", "grad_accum", "seq_len", "dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MemkitError(f"--{name.replace('_', '-')} {value} must be a positive integer")
+        if self.lora_rank < 0:
+            raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise MemkitError(
+                f"--offload-optimizer {self.offload_optimizer} needs ZeRO; use --zero 1, 2 or 3"
+                " (DeepSpeed offloads only partitioned optimizer states)")
+        if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+            raise MemkitError(
+                f"--offload-optimizer nvme with --zero {self.zero_stage}: DeepSpeed offloads the "
+                "optimizer to NVMe only under ZeRO-3; use --zero 3 or --offload-optimizer cpu")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise MemkitError(
+                f"--offload-params {self.offload_params} with --zero {self.zero_stage}: parameter "
+                "offload exists only in ZeRO-3; use --zero 3")
+        if self.offload_params != "none" and self.engine != "deepspeed":
+            raise MemkitError("parameter offload is a DeepSpeed feature; use engine deepspeed")
+        if self.optimizer in ("adamw-8bit", "adafactor") and self.offload_optimizer != "none":
+            raise MemkitError(
+                f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
+                "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
+        if self.tp > 1 and self.engine == "deepspeed" and self.tp_engine == "autotp" and self.zero_stage == 3:
+            raise MemkitError("DeepSpeed AutoTP training supports ZeRO 0-2, not 3; use --zero 2 or lower")
+        if self.pp > 1 and self.zero_stage > 1:
+            raise MemkitError(
+                f"pipeline parallel with --zero {self.zero_stage}: pipeline schedules keep "
+                "gradients across micro-batches, so only ZeRO 0-1 apply; use --zero 1 or lower")
+        return self
+
+    def with_(self, **changes) -> "TrainingPlan":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["lora_targets"] = list(self.lora_targets)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainingPlan":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise MemkitError(f"plan has unknown keys {unknown}; is it from a newer memkit?")
+        data = dict(data)
+        if "lora_targets" in data:
+            data["lora_targets"] = tuple(data["lora_targets"])
+        return cls(**data)
+
+
+def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise MemkitError(f"--{what.replace(' ', '-')} {value!r} is not one of {', '.join(choices)}")

@@ -1,0 +1,1 @@
+"""Specs: what the model is (model.py, hf.py) and what it runs on (hardware.py)."""

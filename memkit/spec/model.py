@@ -1,0 +1,122 @@
+"""ModelSpec: the architecture facts the estimator needs, read once from an HF config (hf.py).
+
+Frozen and free of torch/transformers, so config work is instant (STYLE.md, litgpt).
+Parameter counts are exact: tests compare them with `sum(p.numel())` of the model
+that transformers builds on the meta device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Linear:
+    """One nn.Linear inside a transformer block."""
+
+    name: str
+    """Module name as HF spells it (q_proj, c_attn, dense_h_to_4h, ...); LoRA targets match it."""
+    in_features: int
+    out_features: int
+    bias: bool
+    role: str
+    """What it does: q, k, v, qkv, o, up, gate, gate_up, down, router, expert_up, expert_gate, expert_down."""
+    count: int = 1
+    """How many copies per block (num_experts for expert weights)."""
+    tp_style: str = "replicate"
+    """Tensor-parallel split: 'column' (out_features split), 'row' (in_features split) or 'replicate'."""
+
+    @property
+    def num_params(self) -> int:
+        return self.count * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A transformer as memkit sees it. Counts are `num_*` (STYLE.md, torchtitan)."""
+
+    name: str
+    """Catalog name, path or hub id the user gave."""
+    model_type: str
+    """HF `model_type` (llama, mistral, gpt2, t5, ...)."""
+    architecture: str
+    """HF class that `from_config` builds (LlamaForCausalLM, BertForMaskedLM, ...)."""
+    kind: str
+    """'decoder', 'encoder' or 'encoder-decoder'."""
+    num_layers: int
+    """Decoder layers (encoder layers for an encoder-only model)."""
+    num_encoder_layers: int = 0
+    """Encoder layers of an encoder-decoder model (T5); 0 otherwise."""
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    """Dense MLP width (per expert for MoE)."""
+    vocab_size: int
+    max_position_embeddings: int
+    hidden_act: str
+    gated_mlp: bool
+    """SwiGLU/GeGLU style MLP (gate and up projections) rather than up -> act -> down."""
+    norm_type: str
+    """'rmsnorm' or 'layernorm'."""
+    position_embedding: str
+    """'rope', 'learned', 'alibi' or 'relative'."""
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    tie_word_embeddings: bool
+    parallel_attn_mlp: bool = False
+    """Attention and MLP read the same normed input (Falcon, GPT-J, Phi-2) instead of in sequence."""
+    layer_linears: tuple[Linear, ...]
+    """The linears of one (decoder) block."""
+    encoder_layer_linears: tuple[Linear, ...] = ()
+    """The linears of one encoder block (encoder-decoder models)."""
+    num_params: int
+    """Exact total, equal to sum(p.numel()) of the HF model (tied weights counted once)."""
+    embedding_params: int
+    """Input embeddings: token, position and token-type tables (plus their norm, if any)."""
+    layer_params: int
+    """Exact parameters of one decoder block (largest block where blocks differ)."""
+    encoder_layer_params: int = 0
+    head_params: int
+    """Everything after the last block: final norm, untied LM head or task head, pooler."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Facts some families need (sliding_window, logit softcapping, ...). Never read by the core formulas."""
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers + self.num_encoder_layers
+
+    @property
+    def block_params(self) -> int:
+        """All transformer-block parameters (encoder and decoder)."""
+        return self.num_layers * self.layer_params + self.num_encoder_layers * self.encoder_layer_params
+
+    @property
+    def largest_module_params(self) -> int:
+        """The largest single parameter tensor group ZeRO-3 must gather at once (a block or the embedding)."""
+        return max(self.layer_params, self.encoder_layer_params, self.embedding_params, self.head_params)
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Trainable LoRA parameters: r*(in+out) per targeted linear (Hu et al. 2021, Sec. 4.1)."""
+        total = 0
+        for linears, count in ((self.layer_linears, self.num_layers),
+                               (self.encoder_layer_linears, self.num_encoder_layers)):
+            for lin in linears:
+                if lin.name in targets:
+                    total += count * lin.count * rank * (lin.in_features + lin.out_features)
+        return total
+
+    def linear_names(self) -> tuple[str, ...]:
+        names = [lin.name for lin in self.layer_linears + self.encoder_layer_linears]
+        return tuple(dict.fromkeys(names))
