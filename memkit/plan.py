@@ -50,6 +50,7 @@ class TrainingPlan:
     """0 = full fine-tuning."""
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     lora_alpha: int = 16
+    lora_dropout: float = 0.05
     engine: str = "deepspeed"
     """'deepspeed' (ZeRO via DeepSpeed) or 'torch' (plain PyTorch/AMP, DDP, FSDP)."""
     # DeepSpeed ZeRO buffers, in elements (deepspeed/runtime/zero/config.py defaults).

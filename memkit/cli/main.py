@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemkitError as exc:
         sys.stderr.write(f"memkit: error: {exc}\n")
         return exc.exit_code
+    except BrokenPipeError:  # `memkit ... | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("memkit: interrupted\n")
         return 130

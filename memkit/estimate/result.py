@@ -9,7 +9,9 @@ class MemoryEstimate:
     allocated_peak_bytes: int
     """What torch.cuda.max_memory_allocated() would report on the worst rank."""
     reserved_peak_bytes: int
-    """What torch.cuda.max_memory_reserved() would report, plus the CUDA context (nvidia-smi 'used')."""
+    """What torch.cuda.max_memory_reserved() would report (the caching allocator's pool)."""
+    nvidia_smi_peak_bytes: int
+    """reserved plus the CUDA context: what nvidia-smi shows as used; compared with the device total."""
     device_total_bytes: int
     num_params: int
     num_trainable_params: int
@@ -26,12 +28,13 @@ class MemoryEstimate:
 
     @property
     def headroom_bytes(self) -> int:
-        return self.device_total_bytes - self.reserved_peak_bytes
+        return self.device_total_bytes - self.nvidia_smi_peak_bytes
 
     def to_dict(self) -> dict:
         return {
             "allocated_peak_bytes": self.allocated_peak_bytes,
             "reserved_peak_bytes": self.reserved_peak_bytes,
+            "nvidia_smi_peak_bytes": self.nvidia_smi_peak_bytes,
             "device_total_bytes": self.device_total_bytes,
             "headroom_bytes": self.headroom_bytes,
             "num_params": self.num_params,

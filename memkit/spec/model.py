@@ -19,7 +19,8 @@ class Linear:
     out_features: int
     bias: bool
     role: str
-    """What it does: q, k, v, qkv, o, up, gate, gate_up, down, router, expert_up, expert_gate, expert_down."""
+    """What it does: q, k, v, qkv, o, up, gate, gate_up, down, router, expert_gate_up, expert_down
+    (expert weights are 3-D parameters in transformers 5: name 'experts.gate_up_proj', count=num_experts)."""
     count: int = 1
     """How many copies per block (num_experts for expert weights)."""
     tp_style: str = "replicate"
@@ -82,8 +83,18 @@ class ModelSpec:
     encoder_layer_params: int = 0
     head_params: int
     """Everything after the last block: final norm, untied LM head or task head, pooler."""
+    hub_id: str = ""
+    """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
+    config_path: str = ""
+    """The config.json this spec was read from (what the runner builds the model from)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Facts some families need (sliding_window, logit softcapping, ...). Never read by the core formulas."""
+
+    @property
+    def auto_class(self) -> str:
+        """The transformers Auto class that builds `architecture` from the config."""
+        return {"decoder": "AutoModelForCausalLM", "encoder": "AutoModelForMaskedLM",
+                "encoder-decoder": "AutoModelForSeq2SeqLM"}[self.kind]
 
     @property
     def num_kv_groups(self) -> int:

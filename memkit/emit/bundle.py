@@ -1,0 +1,161 @@
+"""Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json and README.md.
+
+The only emitter that touches disk. `bundle_files` builds the four texts (pure, used by the
+presets generator and its staleness test); `write_bundle` writes them.
+"""
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+from memkit.emit.accelerate import accelerate_config
+from memkit.emit.deepspeed import deepspeed_config, trainer_arguments
+from memkit.errors import MemkitError
+from memkit.plan import TrainingPlan
+from memkit.units import GIB
+
+PLAN_FORMAT_VERSION = 1
+FILES = ("accelerate.yaml", "ds_config.json", "plan.json", "README.md")
+DEFAULT_LR = 2e-5
+
+
+def versions() -> dict:
+    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
+    out = {}
+    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory, speed,
+                  request: dict | None = None, alternatives: list[dict] | None = None,
+                  rejected: list[dict] | None = None, notes: list[str] | None = None,
+                  label: str = "", lr: float = DEFAULT_LR, version_info: dict | None = None) -> dict:
+    """plan.json: the plan, what memkit predicts for it, and what it was made for."""
+    return {
+        "format_version": PLAN_FORMAT_VERSION,
+        "model": model_name,
+        "hardware": hardware,
+        "request": request or {},
+        "plan": plan.to_dict(),
+        "label": label,
+        "estimate": memory.to_dict(),
+        "step_time": speed.to_dict(),
+        "trainer_arguments": trainer_arguments(plan, lr=lr),
+        "alternatives": alternatives or [],
+        "rejected": rejected or [],
+        "notes": notes or [],
+        "versions": versions() if version_info is None else version_info,
+    }
+
+
+def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme",
+                 largest_param_numel: int = 0, main_process_ip: str | None = None) -> dict[str, str]:
+    """File name -> text for the four files of a bundle that will live at `out_dir` (as the user
+    will type it in the launch command; the YAML refers to the JSON by that path)."""
+    import yaml
+
+    plan = TrainingPlan.from_dict(document["plan"])
+    hw = document["hardware"]
+    lr = document["trainer_arguments"]["learning_rate"]
+    ds = deepspeed_config(plan, lr=lr, nvme_path=nvme_path, largest_param_numel=largest_param_numel)
+    ds_path = f"{out_dir.rstrip('/')}/ds_config.json"
+    acc = accelerate_config(plan, deepspeed_config_file=ds_path, num_gpus_per_node=hw["num_gpus_per_node"],
+                            num_nodes=hw["num_nodes"], main_process_ip=main_process_ip)
+    return {
+        "accelerate.yaml": yaml.safe_dump(acc, sort_keys=False),
+        "ds_config.json": json.dumps(ds, indent=2) + "\n",
+        "plan.json": json.dumps(document, indent=2) + "\n",
+        "README.md": readme(document, out_dir=out_dir.rstrip("/")),
+    }
+
+
+def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
+    root = Path(out_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MemkitError(f"--out {out_dir}: cannot create the folder ({exc.strerror}); pick a writable path")
+    written = []
+    for name, text in files.items():
+        path = root / name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def launch_command(document: dict, *, out_dir: str) -> str:
+    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
+            f"--plan {out_dir}/plan.json --model {document['model']}")
+
+
+def readme(document: dict, *, out_dir: str) -> str:
+    plan = document["plan"]
+    est = document["estimate"]
+    speed = document["step_time"]
+    hw = document["hardware"]
+    targs = document["trainer_arguments"]
+    num_gpus = hw["num_gpus_per_node"] * hw["num_nodes"]
+    tokens = plan["micro_batch_size"] * plan["grad_accum"] * plan["dp"] * plan["seq_len"]
+    lines = [
+        f"# {document['model']} on {num_gpus} x {hw['gpu']}",
+        "",
+        f"Plan: **{document['label']}** (made by memkit {document['versions'].get('memkit')}).",
+        "",
+        "```",
+        launch_command(document, out_dir=out_dir),
+        "```",
+        "",
+    ]
+    if hw["num_nodes"] > 1:
+        lines += [
+            f"Multi-node: run the same command on each of the {hw['num_nodes']} nodes, adding "
+            "`--machine_rank i --main_process_ip <node 0 address>` (node 0 has rank 0).",
+            "",
+        ]
+    lines += [
+        "| | |", "|---|---|",
+        f"| global batch | micro {plan['micro_batch_size']} x accum {plan['grad_accum']} x dp {plan['dp']} = "
+        f"{plan['micro_batch_size'] * plan['grad_accum'] * plan['dp']} sequences of {plan['seq_len']} tokens "
+        f"= {tokens:,} tokens |",
+        f"| precision / optimizer | {plan['precision']} / {plan['optimizer']} |",
+        f"| ZeRO | stage {plan['zero_stage']}, optimizer offload {plan['offload_optimizer']}, "
+        f"param offload {plan['offload_params']} |",
+        f"| checkpointing / attention | {plan['checkpointing']} / {plan['attention']} |",
+        f"| tp / pp / dp | {plan['tp']} / {plan['pp']} / {plan['dp']} |",
+    ]
+    if plan["lora_rank"]:
+        lines.append(f"| LoRA | rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
+                     f"targets {', '.join(plan['lora_targets'])} |")
+    lines += [
+        f"| predicted peak per GPU | {est['reserved_peak_bytes'] / GIB:.1f} GiB reserved "
+        f"({est['allocated_peak_bytes'] / GIB:.1f} GiB allocated) of {est['device_total_bytes'] / GIB:.1f} GiB, "
+        f"peak in {est['peak_phase']} |",
+        f"| host RAM per node | {est['host_bytes_per_node'] / GIB:.1f} GiB |",
+        f"| predicted speed | {speed['tokens_per_s']:,.0f} tokens/s, {speed['step_time_s']:.2f} s/step, "
+        f"MFU {speed['mfu']:.0%} |",
+        "",
+        "Files: `accelerate.yaml` (processes and machines; it points at the DeepSpeed file and sets "
+        "nothing else), `ds_config.json` (every DeepSpeed setting, explicit values), `plan.json` "
+        "(the plan, memkit's estimate and the versions it was made with; `memkit explain "
+        f"{out_dir}/plan.json` prints it).",
+        "",
+        "With Hugging Face Trainer instead, pass `--deepspeed "
+        f"{out_dir}/ds_config.json` and these TrainingArguments, which the file must agree with:",
+        "",
+        "```",
+        " ".join(f"--{k} {v}" for k, v in targs.items()),
+        "```",
+        "",
+    ]
+    if plan["optimizer"] in ("adamw-8bit", "adafactor"):
+        lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
+                  "the config allows that (`zero_allow_untested_optimizer`).", ""]
+    if plan["offload_optimizer"] == "nvme" or plan["offload_params"] == "nvme":
+        lines += ["NVMe offload writes to the `nvme_path` in ds_config.json: it must be a fast local "
+                  "NVMe mount on every node.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,276 @@
+"""Saved activations of one transformer block, and of the embedding and loss around the blocks.
+
+Each block is replayed op by op on a symbolic tape (tape.py) in the order HF's modeling files run
+them (transformers/models/{llama,qwen3,gemma2,gpt2,phi,bert}/modeling_*.py), so GQA, gated MLPs,
+the attention kernel, dropout, autocast casts, LoRA and frozen weights all fall out of the
+same rules. For Llama-3.1-8B in bf16 this gives 26*bsh + 6*bs*kv*d + 8*bsi bytes per layer,
+i.e. 27.8 x (bsh x 2 bytes), against the 28.0 measured by stas00/ml-engineering
+(training/performance/README.md, "Forward Activations"); Korthikanti et al. 2022 (Sec. 4.1)
+give 34*bsh + 5*a*s^2*b for a GPT block with dropout and eager attention.
+
+Tensor parallelism divides the head- and intermediate-sized tensors by tp and keeps the
+hidden-sized ones whole (Korthikanti et al. 2022, Table 2, "tensor parallel" row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memkit.estimate.tape import Sym, Tape
+from memkit.plan import TrainingPlan
+from memkit.spec.model import Linear, ModelSpec
+
+# Activations written in Python rather than as one aten kernel (transformers/activations.py):
+# they save several intermediates. Value: how many extra tensors of the input's size they keep.
+_PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "bloom_gelu", "gelu_accurate"}
+_GEMMA_NORM = {"gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma"}
+_SANDWICH_NORM = {"gemma2", "gemma3", "gemma3_text"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"}
+_POST_NORM = {"bert", "roberta", "xlm-roberta", "distilbert", "electra"}
+_SOFTMAX_IN_FP32 = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+                    "gemma2", "gemma3", "gemma3_text", "phi3", "phi", "olmo2", "stablelm", "gpt_neox"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Numerics:
+    """How a forward pass stores tensors for one plan."""
+
+    weight_itemsize: int
+    """Bytes of a weight element as the module holds it (fp32 under torch AMP, 2 under DeepSpeed bf16)."""
+    autocast: int | None
+    """Low dtype bytes when torch autocast is on (AMP with fp32 weights), else None."""
+
+    @property
+    def stream_itemsize(self) -> int:
+        """Residual stream dtype: the weights' dtype (autocast leaves adds and norms in fp32)."""
+        return self.weight_itemsize
+
+
+def numerics(plan: TrainingPlan) -> Numerics:
+    """fp32: all fp32. DeepSpeed fp16/bf16 and bf16-pure: the module itself is cast to 16 bits
+    (deepspeed/runtime/engine.py, _configure_distributed_model). torch engine fp16/bf16: fp32
+    weights under autocast (torch.autocast, as Accelerate's mixed_precision does)."""
+    if plan.precision == "fp32":
+        return Numerics(weight_itemsize=4, autocast=None)
+    if plan.precision == "bf16-pure" or plan.engine == "deepspeed":
+        return Numerics(weight_itemsize=2, autocast=None)
+    return Numerics(weight_itemsize=4, autocast=2)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockActivations:
+    saved_bytes: int
+    """Bytes one block saves for backward (what checkpointing discards)."""
+    input_bytes: int
+    """Bytes of the block's input hidden states (what a checkpoint keeps)."""
+    backward_transient_bytes: int
+    """Gradient tensors alive while the block's backward runs (grad of hidden + widest intermediate)."""
+    by_label: dict[str, int]
+
+
+def _linear_by_role(linears: tuple[Linear, ...]) -> dict[str, Linear]:
+    return {lin.role: lin for lin in linears}
+
+
+class _BlockReplay:
+    """Replays one block on a tape. `tokens` = micro-batch x sequence length on this rank."""
+
+    def __init__(self, spec: ModelSpec, plan: TrainingPlan, num: Numerics, tokens: int, seq_len: int,
+                 linears: tuple[Linear, ...], *, tp: int):
+        self.spec, self.plan, self.num = spec, plan, num
+        self.tokens, self.seq_len, self.tp = tokens, seq_len, tp
+        self.tape = Tape(autocast=num.autocast)
+        self.roles = _linear_by_role(linears)
+        self.lora_targets = set(plan.lora_targets) if plan.is_lora else set()
+        self.train_weights = not plan.is_lora
+
+    # -- pieces ---------------------------------------------------------------
+    def norm(self, x: Sym) -> Sym:
+        tape, spec = self.tape.region("norms"), self.spec
+        h = spec.hidden_size
+        if spec.norm_type == "layernorm":
+            return tape.layer_norm(x)
+        if spec.model_type in _GEMMA_NORM:
+            return tape.rms_norm_gemma(x, h, weight_grad=self.train_weights)
+        return tape.rms_norm_llama(x, h, weight_grad=self.train_weights,
+                                   weight_itemsize=self.num.weight_itemsize)
+
+    def proj(self, x: Sym, lin: Linear, *, split: bool) -> Sym:
+        """A linear as HF calls it; `split`: its output is divided by tp (column-parallel)."""
+        out = self.tokens * lin.out_features // (self.tp if split else 1)
+        if lin.name in self.lora_targets:
+            return self.tape.lora_linear(x, out, rank_numel=self.tokens * self.plan.lora_rank,
+                                         dropout=self.plan.lora_dropout > 0,
+                                         weight_itemsize=self.num.weight_itemsize)
+        return self.tape.linear(x, out, weight_grad=self.train_weights,
+                                weight_itemsize=self.num.weight_itemsize)
+
+    def dropout(self, x: Sym, p: float) -> Sym:
+        return self.tape.dropout(x) if p > 0 else x
+
+    def attention(self, y: Sym) -> Sym:
+        spec, tape, tp, t = self.spec, self.tape.region("attention"), self.tp, self.tokens
+        heads, kv = spec.num_attention_heads // tp, max(1, spec.num_key_value_heads // tp)
+        d = spec.head_dim
+        if "qkv" in self.roles:
+            qkv = self.proj(y, self.roles["qkv"], split=True)
+            # q, k, v are views of one output; whatever saves a view keeps the whole storage.
+            q = k = v = qkv
+            if spec.position_embedding == "rope":  # rope makes new q, k (v stays a view)
+                q, k = Sym(t * heads * d, qkv.itemsize), Sym(t * kv * d, qkv.itemsize)
+        else:
+            q = self.proj(y, self.roles["q"], split=True)
+            k = self.proj(y, self.roles["k"], split=True)
+            v = self.proj(y, self.roles["v"], split=True)
+            if spec.model_type in _QK_NORM:  # Qwen3/Gemma3 q_norm, k_norm over head_dim
+                self.tape.region("norms")
+                q = self.tape.rms_norm_llama(q, d, weight_grad=self.train_weights,
+                                             weight_itemsize=self.num.weight_itemsize)
+                k = self.tape.rms_norm_llama(k, d, weight_grad=self.train_weights,
+                                             weight_itemsize=self.num.weight_itemsize)
+                self.tape.region("attention")
+            if spec.position_embedding == "rope":
+                # q*cos + rotate_half(q)*sin: the muls save only cos/sin (no grad); output is new.
+                q, k = Sym(q.numel, q.itemsize), Sym(k.numel, k.itemsize)
+        if self.plan.attention == "eager":
+            if kv != heads:  # repeat_kv copies k and v to every query head (sdpa_attention.py)
+                k, v = Sym(t * heads * d, k.itemsize), Sym(t * heads * d, v.itemsize)
+            out = tape.eager_attention(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
+                                       dropout=spec.attention_dropout > 0,
+                                       softmax_fp32=spec.model_type in _SOFTMAX_IN_FP32)
+        else:
+            # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
+            # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
+            out = tape.sdpa(q, k, v, heads=heads, tokens=t)
+        out = tape.contiguous_copy(out)  # attn_output.transpose(1, 2).contiguous()
+        o = self.proj(out, self.roles["o"], split=False)
+        return o
+
+    def mlp(self, y: Sym) -> Sym:
+        tape = self.tape.region("mlp")
+        act = self.spec.hidden_act
+        if self.spec.gated_mlp:
+            if "gate_up" in self.roles:  # Phi-3: one fused projection, chunked into views
+                gu = self.proj(y, self.roles["gate_up"], split=True)
+                tape.save(gu)  # act saves the gate half, mul the up half: both keep gu alive
+                gate_act = Sym(gu.numel // 2, gu.itemsize, True)
+                tape.save(gate_act)
+                h = Sym(gu.numel // 2, gu.itemsize, True)
+            else:
+                gate = self.proj(y, self.roles["gate"], split=True)
+                up = self.proj(y, self.roles["up"], split=True)
+                gate_act = self._activation(gate, act)
+                h = tape.mul(gate_act, up)
+        else:
+            up = self.proj(y, self.roles["up"], split=True)
+            h = self._activation(up, act)
+        return self.proj(h, self.roles["down"], split=False)
+
+    def _activation(self, x: Sym, act: str) -> Sym:
+        tape = self.tape
+        if act in _PYTHON_GELU:
+            # 0.5*x*(1+tanh(c*(x+0.044715*pow(x,3)))) (transformers/activations.py NewGELUActivation)
+            tape.pow(x)
+            inner = Sym(x.numel, 4 if tape.autocast else x.itemsize, x.requires_grad)
+            th = tape.tanh(inner)
+            one_plus = Sym(th.numel, th.itemsize, True)
+            half_x = tape.scale(x)
+            return tape.mul(half_x, one_plus)
+        return tape.act_saving_input(x)
+
+    # -- the block -------------------------------------------------------------
+    def run(self, x: Sym) -> Sym:
+        spec, tape = self.spec, self.tape
+        if spec.model_type in _POST_NORM:  # BERT: LayerNorm(dropout(attn(x)) + x), same for the MLP
+            a = self.dropout(self.attention(x), spec.hidden_dropout)
+            h1 = tape.region("norms").layer_norm(tape.add(a, x))
+            m = self.dropout(self.mlp(h1), spec.hidden_dropout)
+            return tape.region("norms").layer_norm(tape.add(m, h1))
+        y = self.norm(x)
+        if spec.parallel_attn_mlp:  # Falcon/Phi-2/GPT-J: attn and MLP read the same normed input
+            a = self.dropout(self.attention(y), spec.hidden_dropout)
+            m = self.dropout(self.mlp(y), spec.hidden_dropout)
+            return tape.add(tape.add(a, m), x)
+        a = self.attention(y)
+        if spec.model_type in _SANDWICH_NORM:
+            a = self.norm(a)
+        a = self.dropout(a, spec.hidden_dropout)
+        h1 = tape.add(x, a)
+        m = self.mlp(self.norm(h1))
+        if spec.model_type in _SANDWICH_NORM:
+            m = self.norm(m)
+        m = self.dropout(m, spec.hidden_dropout)
+        return tape.add(h1, m)
+
+
+def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
+                      encoder: bool = False) -> BlockActivations:
+    """Saved bytes of one block for one micro-batch on one rank."""
+    num = numerics(plan)
+    b = micro_batch_size or plan.micro_batch_size
+    tokens = b * plan.seq_len
+    linears = spec.encoder_layer_linears if encoder else spec.layer_linears
+    replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp)
+    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
+    replay.run(x)
+    saved = replay.tape.saved_bytes
+    # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
+    act = num.autocast or num.weight_itemsize
+    widest = max(spec.intermediate_size // plan.tp * (2 if spec.gated_mlp else 1),
+                 spec.hidden_size)
+    # During a block's backward: grad of the hidden stream in and out, plus the gradients of the
+    # widest intermediate (the gated MLP's gate/up pair) -- aten's mul/silu backward outputs.
+    transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
+    if spec.is_moe:
+        # Each token visits num_experts_per_tok experts: their MLP intermediates scale with k
+        # (Fedus et al. 2021, Sec. 2.2); the router logits are small.
+        saved += (spec.num_experts_per_tok - 1) * replay.tape.labels.get("mlp", 0)
+    return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
+                            backward_transient_bytes=transient, by_label=dict(replay.tape.labels))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeadActivations:
+    saved_bytes: int
+    """Saved for backward from the final norm to the loss, plus the logits the model returns."""
+    forward_peak_bytes: int
+    """Extra bytes at the loss computation's forward peak (fp32 copy of the logits)."""
+    backward_peak_bytes: int
+    """Extra bytes while the loss backward runs (grads of the fp32 log-probs)."""
+    embedding_bytes: int
+    """Saved by the embedding (int64 ids) and the batch tensors (ids, labels, shifted labels)."""
+
+
+def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None
+                     ) -> HeadActivations:
+    """Final norm, LM head and cross-entropy, as HF's ForCausalLMLoss runs them
+    (transformers/loss/loss_utils.py: logits.float() then cross_entropy = log_softmax + nll_loss)."""
+    num = numerics(plan)
+    b = micro_batch_size or plan.micro_batch_size
+    tokens = b * plan.seq_len
+    tape = Tape(autocast=num.autocast)
+    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
+    if spec.kind != "encoder" or spec.model_type not in _POST_NORM:
+        replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, spec.layer_linears, tp=1)
+        replay.tape = tape
+        x = replay.norm(x)
+    if spec.model_type in _POST_NORM:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
+        tape.region("head")
+        hdn = tape.linear(x, tokens * spec.hidden_size, weight_grad=not plan.is_lora,
+                          weight_itemsize=num.weight_itemsize)
+        x = tape.layer_norm(tape.act_saving_input(hdn))
+    tape.region("head")
+    logits_itemsize = num.autocast or num.weight_itemsize
+    tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
+    vocab_tokens = tokens * spec.vocab_size
+    logits = vocab_tokens * logits_itemsize  # kept alive by the returned ModelOutput
+    log_probs = vocab_tokens * 4              # log_softmax output, fp32 (saved)
+    fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4  # logits.float()
+    saved = tape.saved_bytes + logits + log_probs
+    # Forward: the fp32 copy lives while log_softmax writes its output.
+    forward_peak = fp32_copy
+    # Backward of nll_loss + log_softmax: grad wrt log-probs and grad wrt the fp32 logits coexist
+    # with the saved log-probs; then the cast back to the logits dtype.
+    backward_peak = 2 * vocab_tokens * 4
+    embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
+    return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
+                           backward_peak_bytes=backward_peak, embedding_bytes=embedding)

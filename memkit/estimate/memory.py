@@ -1,0 +1,275 @@
+"""Per-GPU peak memory of one TrainingPlan: the maximum over phases, not one sum.
+
+Phases (steady state, i.e. the second optimizer step, once optimizer states exist):
+- init: weights and engine buffers after the engine wraps the model (ZeRO-3 assumes zero.Init,
+  which Accelerate enables with `zero3_init_flag`);
+- forward: resident states + every block's saved activations + the loss's fp32 logits;
+- backward: walked block by block from the last: activations shrink while gradients grow
+  (PyTorch frees a node's saved tensors when its backward has run);
+- optimizer_step: resident states + gradients + the step's temporaries;
+- checkpoint_save: resident states + one gathered block (ZeRO-3 16-bit consolidation).
+
+allocated = what torch.cuda.max_memory_allocated reports. reserved adds the caching allocator's
+rounding and fragmentation (c10/cuda/CUDACachingAllocator.cpp: 2 MiB blocks for requests under
+10 MiB, 20 MiB segments; the slack factor is fitted on the published runs in
+../shared/calibration, see benchmarks/memory_accuracy.py). nvidia-smi adds the CUDA context.
+"""
+from __future__ import annotations
+
+from memkit.errors import MemkitError
+from memkit.estimate.activations import block_activations, head_activations, numerics
+from memkit.estimate.result import MemoryEstimate
+from memkit.estimate.states import RankParams, model_states
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware
+from memkit.spec.model import ModelSpec
+from memkit.units import GIB, MIB
+
+# Caching-allocator slack over the allocated peak, fitted on the calibration set
+# (benchmarks/memory_accuracy.py prints the fit): reserved ~= allocated * (1 + f) + rounding.
+ALLOCATOR_SLACK = 0.06
+# Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
+# the tokenizer and data loader): ~3 GiB RSS per CUDA process.
+HOST_BYTES_PER_PROCESS = 3 * GIB
+PHASES = ("init", "forward", "backward", "optimizer_step", "checkpoint_save")
+
+
+def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
+    """The one place parallel degrees are checked against the model and the world size."""
+    if plan.num_gpus != hardware.num_gpus:
+        raise MemkitError(
+            f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {plan.num_gpus} but the hardware has "
+            f"{hardware.num_gpus} GPUs; choose degrees whose product is {hardware.num_gpus}")
+    if plan.tp > 1:
+        bad = [f"{name}={value}" for name, value in (
+            ("num_attention_heads", spec.num_attention_heads),
+            ("num_key_value_heads", spec.num_key_value_heads),
+            ("intermediate_size", spec.intermediate_size)) if value % plan.tp]
+        if bad:
+            ok = [t for t in (1, 2, 4, 8, 16) if spec.num_attention_heads % t == 0
+                  and spec.num_key_value_heads % t == 0 and spec.intermediate_size % t == 0]
+            raise MemkitError(f"tp={plan.tp} does not divide {', '.join(bad)}; "
+                              f"try tp in {{{','.join(map(str, ok))}}}")
+        if plan.tp > hardware.num_gpus_per_node:
+            raise MemkitError(
+                f"tp={plan.tp} spans nodes ({hardware.num_gpus_per_node} GPUs per node); tensor "
+                f"parallelism needs NVLink-class links: use tp <= {hardware.num_gpus_per_node}")
+    if plan.pp > spec.num_layers:
+        raise MemkitError(f"pp={plan.pp} exceeds the model's {spec.num_layers} layers; "
+                          f"use pp <= {spec.num_layers}")
+    if plan.precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
+        raise MemkitError(f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32")
+    if plan.seq_len > spec.max_position_embeddings and spec.position_embedding == "learned":
+        raise MemkitError(
+            f"--seq-len {plan.seq_len} exceeds {spec.name}'s learned positions "
+            f"(max_position_embeddings={spec.max_position_embeddings}); use --seq-len <= "
+            f"{spec.max_position_embeddings}")
+
+
+def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
+                    device: str = "cuda") -> MemoryEstimate:
+    """Peak memory per GPU for `plan` (the worst pipeline stage). `device='cpu'` prices the CPU
+    test runs: no foreach optimizer temporaries, no CUDA context or allocator slack."""
+    plan.validate()
+    hardware.validate()
+    check_parallel(model, plan, hardware)
+    stages = [_stage(model, plan, hardware, k, device) for k in range(plan.pp)]
+    worst = max(stages, key=lambda s: s.allocated_peak_bytes)
+    if plan.pp > 1:
+        notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
+        worst = _replace(worst, notes=notes)
+    return worst
+
+
+def _replace(est: MemoryEstimate, **changes) -> MemoryEstimate:
+    from dataclasses import replace
+    return replace(est, **changes)
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Blocks per stage: as even as possible, the remainder on the middle stages so the first
+    (embedding, most in-flight micro-batches) and the last (LM head, logits) stay light."""
+    base, extra = divmod(num_layers, pp)
+    counts = [base] * pp
+    order = sorted(range(pp), key=lambda k: (k in (0, pp - 1), k))
+    for k in order[:extra]:
+        counts[k] += 1
+    return counts
+
+
+def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankParams:
+    """Parameters held by one rank of pipeline stage `stage` after the tensor split."""
+    tp = plan.tp
+    counts = stage_layers(model.total_layers, plan.pp)
+    n_layers = counts[stage]
+    first, last = stage == 0, stage == plan.pp - 1
+    # Megatron splits attention/MLP weights (column/row); norms and routers stay whole
+    # (Shoeybi et al. 2019, Sec. 3).
+    split = sum(lin.num_params for lin in model.layer_linears if lin.tp_style != "replicate")
+    layer = model.layer_params - split + split // tp
+    if model.num_encoder_layers:
+        enc_split = sum(lin.num_params for lin in model.encoder_layer_linears if lin.tp_style != "replicate")
+        enc_layer = model.encoder_layer_params - enc_split + enc_split // tp
+        avg_layer = (layer * model.num_layers + enc_layer * model.num_encoder_layers) // model.total_layers
+    else:
+        avg_layer = layer
+    params = n_layers * avg_layer
+    if first:
+        params += model.embedding_params
+    if last:
+        params += model.head_params
+        if plan.pp > 1 and model.tie_word_embeddings:
+            params += model.vocab_size * model.hidden_size  # the last stage keeps its own copy
+    if plan.is_lora:
+        lora_layer = model.lora_params(plan.lora_rank, plan.lora_targets) // model.total_layers
+        trainable = lora_layer * n_layers
+        params += trainable
+        layer_trainable, head_trainable = lora_layer, 0
+    else:
+        trainable = params
+        layer_trainable = avg_layer
+        head_trainable = (model.head_params if last else 0) + (model.embedding_params if first else 0)
+    largest_tensor = max([model.vocab_size * model.hidden_size if (first or last) else 0]
+                         + [lin.in_features * lin.out_features // (tp if lin.tp_style != "replicate" else 1)
+                            for lin in model.layer_linears])
+    embed = model.embedding_params if first else 0
+    head = model.head_params if last else 0
+    persistent = n_layers * _small_params(model) if not plan.is_lora else 0
+    return RankParams(num_params=params, num_trainable=trainable,
+                      largest_module=max(avg_layer, embed, head), largest_tensor=largest_tensor,
+                      num_persistent=persistent, layer_trainable=layer_trainable,
+                      head_trainable=head_trainable)
+
+
+def _small_params(model: ModelSpec) -> int:
+    """Per block, parameters outside the linears' weights (norms, biases): below ZeRO-3's
+    default persistence threshold of 1e5 elements for most models."""
+    weights = sum(lin.count * lin.in_features * lin.out_features for lin in model.layer_linears)
+    return max(0, model.layer_params - weights)
+
+
+def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str
+           ) -> MemoryEstimate:
+    rp = rank_params(model, plan, stage)
+    st = model_states(plan, rp, device=device)
+    num = numerics(plan)
+    first, last = stage == 0, stage == plan.pp - 1
+    n_layers = stage_layers(model.total_layers, plan.pp)[stage]
+
+    # -- activations of one micro-batch -------------------------------------------------------
+    blk = block_activations(model, plan)
+    head = head_activations(model, plan)
+    per_layer = blk.saved_bytes
+    autocast_copy = head_copy = 0
+    if num.autocast:
+        # torch.autocast caches the bf16 copy of every linear weight for the whole forward
+        # (torch/csrc/autograd/autocast_mode.cpp, cached_cast); the matmuls save them for backward.
+        autocast_copy = num.autocast * sum(
+            lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
+            for lin in model.layer_linears)
+        head_copy = num.autocast * model.vocab_size * model.hidden_size if last else 0
+    in_flight = 1
+    if plan.pp > 1:
+        # 1F1B: stage k holds pp-k micro-batches in flight; GPipe holds all of them
+        # (Narayanan et al. 2021, Sec. 2.2; Huang et al. 2019, Sec. 2.3).
+        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.pp - stage, plan.grad_accum)
+    ckpt = plan.checkpointing == "full"
+    kept_per_layer = blk.input_bytes if ckpt else per_layer + autocast_copy
+    layers_act = n_layers * kept_per_layer * in_flight
+
+    # -- gradients as they land ----------------------------------------------------------------
+    accum_full = plan.grad_accum > 1  # from the 2nd micro-batch on, all gradients are held
+    grads_end = st.gradients
+    gather = st.gather_transient
+
+    def grads_after(num_layers_done: int) -> int:
+        if not st.gradients_grow or accum_full or grads_end == 0:
+            return grads_end
+        share = grads_end / rp.num_trainable if rp.num_trainable else 0
+        landed = rp.head_trainable * last + num_layers_done * rp.layer_trainable
+        return int(min(rp.num_trainable, landed) * share)
+
+    # -- moments: each is a breakdown of what is live; a phase's peak is its largest moment ------
+    base = {"weights": st.weights, "master_weights": st.master_weights,
+            "optimizer_states": st.optimizer_states}
+    prefix = "deepspeed_" if plan.engine == "deepspeed" else ""
+    base.update({prefix + name: value for name, value in st.buffers.items()})
+    fwd_grads = grads_end if (accum_full or not st.gradients_grow) else 0
+    embed_saved = head.embedding_bytes * in_flight if first else 0
+    head_saved = head.saved_bytes + head_copy if last else 0
+    amp_cache = autocast_copy * n_layers if (num.autocast and ckpt) else 0
+    landing = _landing(rp, st, plan)
+
+    phases: dict[str, dict[str, int]] = {}
+    phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
+                      "zero3_gathered_params": gather}
+    phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
+                         "autocast_weight_copies": amp_cache,
+                         "logits_and_loss": head_saved + (head.forward_peak_bytes if last else 0),
+                         "zero3_gathered_params": gather}
+    moments = []
+    if last:  # the loss backward, with every block's activations still saved
+        moments.append({**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
+                        "logits_and_loss": head_saved + head.backward_peak_bytes,
+                        "zero3_gathered_params": gather})
+    for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
+        remaining = j * kept_per_layer * in_flight + embed_saved
+        if ckpt:  # recompute block j: its activations (and autocast copies) come back
+            current = per_layer + autocast_copy + blk.input_bytes
+        else:
+            current = kept_per_layer
+        moments.append({**base, "gradients": grads_after(n_layers - 1 - j),
+                        "activations": remaining + current,
+                        "backward_temporaries": blk.backward_transient_bytes + landing,
+                        "zero3_gathered_params": gather})
+    phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
+    phases["optimizer_step"] = {**base, "gradients": grads_end,
+                                "optimizer_step_temporaries": st.step_transient}
+    phases["checkpoint_save"] = {**base, "zero3_gathered_params":
+                                 rp.largest_module * (4 if plan.precision == "fp32" else 2)
+                                 if plan.zero_stage == 3 else 0}
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(PHASES, key=lambda p: totals[p])
+    allocated = totals[peak_phase]
+    components = {k: int(v) for k, v in phases[peak_phase].items() if v}
+
+    cuda = device == "cuda"
+    reserved = int(allocated * (1 + ALLOCATOR_SLACK)) + (64 * MIB if cuda else 0) if cuda else allocated
+    context = hardware.gpu.cuda_context_bytes if cuda else 0
+
+    host = _host_bytes(model, plan, hardware, st)
+    notes = []
+    if plan.zero_stage == 3 and plan.engine == "deepspeed":
+        notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
+    if num.autocast:
+        notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
+    return MemoryEstimate(
+        allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
+        nvidia_smi_peak_bytes=int(reserved + context),
+        device_total_bytes=hardware.gpu.memory_bytes,
+        num_params=model.num_params + (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else 0),
+        num_trainable_params=(model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
+                              else model.num_params),
+        peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
+        host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
+        notes=tuple(notes))
+
+
+def _landing(rp: RankParams, st, plan: TrainingPlan) -> int:
+    """A block's fresh gradients before the engine files them away (AccumulateGrad output, or
+    param.grad awaiting the ZeRO bucket copy)."""
+    if st.gradients_grow and plan.grad_accum == 1:
+        return 0  # they are the stored gradients themselves
+    wb = 2 if (plan.engine == "deepspeed" and plan.precision != "fp32") or plan.precision == "bf16-pure" else 4
+    return rp.layer_trainable * wb if plan.grad_accum > 1 or not st.gradients_grow else 0
+
+
+def _host_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, st) -> int:
+    """Host RAM per node: offloaded states of every local rank, plus each process's own
+    footprint, or the checkpoint-loading peak (each rank materialises the 16-bit weights on
+    the CPU before moving them; transformers modeling_utils.py) if that is larger."""
+    local = hardware.num_gpus_per_node
+    offloaded = sum(st.host.values()) * local
+    processes = HOST_BYTES_PER_PROCESS * local
+    loading = model.num_params * 2 * (1 if plan.zero_stage == 3 else local)
+    return max(offloaded, loading) + processes

@@ -1,0 +1,221 @@
+"""Model states on one rank: weights, master weights, gradients, optimizer states and the
+engine's own buffers, for every engine x precision x ZeRO stage x offload combination.
+
+Sources (DeepSpeed 0.19 as installed; the ZeRO paper for the accounting):
+- Rajbhandari et al. 2020 (ZeRO), Sec. 3.1 and Fig. 1: mixed-precision Adam keeps 2Psi (fp16
+  weights) + 2Psi (fp16 grads) + 12Psi (fp32 master, m, v); stages 1/2/3 divide the optimizer
+  states / + gradients / + weights by the data-parallel degree.
+- deepspeed/runtime/zero/stage_1_and_2.py: the bit16 weights are one flat buffer per group
+  (bit16_groups_flat), the fp32 master partition is a clone (single_partition_of_fp32_groups),
+  stage 2 reduces gradients through `reduce_bucket_size`-element ipg buffers (two with
+  overlap_comm) into `grads_in_partition`, and the step converts the partition's gradient to fp32.
+- deepspeed/runtime/zero/stage3.py: partitioned fp16 weights, persistent small parameters
+  (numel < stage3_param_persistence_threshold) replicated, gathered parameters live up to the
+  prefetch bucket, an fp16 gradient partition buffer and an ipg bucket, fp32 gradients at step.
+- deepspeed/runtime/fp16/unfused_optimizer.py (ZeRO-0 fp16/bf16): fp32 copies of every
+  parameter; the step casts every fp16 gradient to fp32.
+- Ren et al. 2021 (ZeRO-Offload), Sec. 4: offloaded fp32 master weights, optimizer states and
+  fp32 gradients live in pinned host memory; the GPU keeps fp16 weights and gradient buckets.
+- torch/optim/adamw.py (_multi_tensor_adamw): on CUDA the foreach path allocates
+  `exp_avg_sq_sqrt`, one temporary the size of all trainable parameters.
+- torch/nn/parallel/distributed.py (Reducer): DDP gradient buckets are a second copy of the
+  gradients unless gradient_as_bucket_view=True (Accelerate's and Trainer's default is False).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memkit.plan import TrainingPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankParams:
+    """Parameter counts held by one rank (after the tensor/pipeline split)."""
+
+    num_params: int
+    num_trainable: int
+    largest_module: int
+    """Largest group of parameters gathered or reduced at once (a block, or the embedding)."""
+    largest_tensor: int
+    num_persistent: int = 0
+    """Parameters below ZeRO-3's persistence threshold (norms, biases): kept whole on every rank."""
+    layer_trainable: int = 0
+    """Trainable parameters of one block (their gradients land block by block in backward)."""
+    head_trainable: int = 0
+
+
+def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
+    """Bytes of optimizer state per trainable parameter.
+    AdamW: m and v (Loshchilov & Hutter 2019); fp32 unless the plan is bf16-pure.
+    adamw-8bit: two uint8 states + one fp32 absmax per 2048-element block for each
+    (Dettmers et al. 2022, Sec. 2, bitsandbytes block size 2048).
+    adafactor: factored second moment, ~(rows+cols) per matrix -- negligible per parameter
+    (Shazeer & Stern 2018, Sec. 3); we count 4 bytes per 256 parameters for the factors.
+    sgd: one momentum buffer (torch.optim.SGD with momentum > 0)."""
+    state = 2 if precision == "bf16-pure" else 4
+    if optimizer == "adamw":
+        return 2 * state
+    if optimizer == "adamw-8bit":
+        return 2 * (1 + 4 / 2048)
+    if optimizer == "adafactor":
+        return 4 / 256
+    return state  # sgd with momentum
+
+
+@dataclass(slots=True)
+class States:
+    """Bytes by component. `device_*` stay on the GPU for the whole step; `step_*` exist only
+    during the optimizer step; `host_*` live in host RAM; `nvme` on NVMe."""
+
+    weights: int = 0
+    master_weights: int = 0
+    gradients: int = 0
+    """Gradient bytes held once backward has finished (before the step)."""
+    gradients_grow: bool = True
+    """True: gradients appear block by block in backward (torch, ZeRO 0/1). False: the engine
+    allocates its gradient partition up front (ZeRO 2/3)."""
+    optimizer_states: int = 0
+    buffers: dict[str, int] = field(default_factory=dict)
+    """Engine buffers alive through forward/backward/step (ZeRO buckets, gathered params)."""
+    step_transient: int = 0
+    """Extra bytes during the optimizer step (fp32 gradient copies, foreach temporaries)."""
+    gather_transient: int = 0
+    """Extra bytes while ZeRO-3 gathers parameters around a block (forward and backward)."""
+    host: dict[str, int] = field(default_factory=dict)
+    nvme: int = 0
+
+    @property
+    def resident(self) -> int:
+        return self.weights + self.master_weights + self.optimizer_states + sum(self.buffers.values())
+
+
+def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") -> States:
+    """Per-rank states for `plan`. `device='cpu'` models the CPU test runs (no foreach kernels)."""
+    n = plan.dp
+    psi, psi_t = rp.num_params, rp.num_trainable
+    opt_bpp = optimizer_state_bytes_per_param(plan.optimizer, plan.precision)
+    if plan.engine == "torch":
+        return _torch_states(plan, rp, opt_bpp, device)
+    wb = 4 if plan.precision == "fp32" else 2  # DeepSpeed casts the module (engine.py)
+    master_b = 0 if plan.precision in ("fp32", "bf16-pure") else 4
+    st = States()
+    zero = plan.zero_stage
+    grad_b = wb
+    if zero == 0:
+        st.weights = psi * wb
+        st.optimizer_states = int(psi_t * opt_bpp)
+        st.gradients = psi_t * grad_b
+        if master_b:
+            # FP16/BF16 unfused optimizer: fp32 copy of every param; step casts grads to fp32.
+            st.master_weights = psi_t * master_b
+            st.step_transient = psi_t * 4
+        if n > 1:  # engine.allreduce_gradients flattens up to one bucket at a time
+            st.buffers["allreduce_bucket"] = min(plan.reduce_bucket_size, psi_t) * grad_b
+        st.step_transient += _adam_temp(plan, psi_t, rp.largest_tensor, device)
+        return st
+    if zero in (1, 2):
+        st.weights = psi * wb  # bit16_groups_flat: every rank holds all weights
+        # The master partition is a clone even in fp32 (single_partition_of_fp32_groups).
+        master = _div(psi_t, n) * (master_b or 4) if plan.precision != "bf16-pure" else 0
+        optim = int(_div(psi_t, n) * opt_bpp)
+        fp32_grad = _div(psi_t, n) * 4
+        if plan.offload_optimizer == "cpu":
+            st.host["master_weights"] = master
+            st.host["optimizer_states"] = optim
+            st.host["fp32_gradients"] = fp32_grad
+            st.host["bit16_param_buffer"] = _div(psi_t, n) * wb
+            st.buffers["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_gpu_offload
+        else:
+            st.master_weights = master
+            st.optimizer_states = optim
+            # The basic optimizer steps one flat fp32 partition (a single tensor).
+            st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
+        ipg = min(plan.reduce_bucket_size, max(psi_t, 1)) * grad_b * (2 if plan.overlap_comm else 1)
+        if zero == 2:
+            st.gradients_grow = False
+            st.buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
+            st.gradients = 0 if plan.offload_optimizer == "cpu" else _div(psi_t, n) * grad_b
+        else:
+            st.gradients = psi_t * grad_b  # stage 1 keeps whole gradients until the step
+            st.step_transient += _div(psi_t, n) * grad_b  # averaged_gradients partition
+        return st
+    # ZeRO-3
+    st.gradients_grow = False
+    part = _div(psi - rp.num_persistent, n) + rp.num_persistent
+    gathered = min(rp.largest_module + min(plan.stage3_prefetch_bucket_size, rp.largest_module),
+                   plan.stage3_max_live_parameters) * wb
+    if plan.offload_params != "none":
+        where = "host" if plan.offload_params == "cpu" else "nvme"
+        if where == "host":
+            st.host["weights"] = part * wb
+        else:
+            st.nvme += part * wb
+        st.weights = rp.num_persistent * wb
+    else:
+        st.weights = part * wb
+    st.gather_transient = gathered
+    master = _div(psi_t, n) * (master_b or 4) if plan.precision != "bf16-pure" else 0
+    optim = int(_div(psi_t, n) * opt_bpp)
+    fp32_grad = _div(psi_t, n) * 4
+    if plan.offload_optimizer != "none":
+        if plan.offload_optimizer == "cpu":
+            st.host.update(master_weights=master, optimizer_states=optim, fp32_gradients=fp32_grad)
+        else:
+            st.nvme += master + optim
+            st.host["fp32_gradients"] = fp32_grad
+            st.host["nvme_swap_buffers"] = 4 * 100_000_000 * 4  # aio: buffer_count 4 x 1e8 fp32
+    else:
+        st.master_weights = master
+        st.optimizer_states = optim
+        st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
+    st.gradients = 0 if plan.offload_optimizer != "none" else _div(psi_t, n) * wb
+    st.buffers["ipg_bucket"] = min(plan.reduce_bucket_size, max(psi_t, 1)) * wb
+    return st
+
+
+def _torch_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: str) -> States:
+    """Plain PyTorch: AMP keeps fp32 weights and grads; ZeRO stage 3 here means FSDP full shard."""
+    n = plan.dp
+    wb = 2 if plan.precision == "bf16-pure" else 4
+    st = States()
+    psi, psi_t = rp.num_params, rp.num_trainable
+    if plan.zero_stage == 0:
+        st.weights = psi * wb
+        st.gradients = psi_t * wb
+        st.optimizer_states = int(psi_t * opt_bpp)
+        if n > 1:
+            st.buffers["ddp_buckets"] = psi_t * wb
+        st.step_transient = _adam_temp(plan, psi_t, rp.largest_tensor, device)
+        return st
+    # FSDP (Zhao et al. 2023, Sec. 3.2): flat sharded params/grads/states; one unit unsharded
+    # at a time plus the prefetched next one, in the compute dtype.
+    st.gradients_grow = False
+    st.weights = _div(psi, n) * wb
+    st.gradients = _div(psi_t, n) * wb
+    st.optimizer_states = int(_div(psi_t, n) * opt_bpp)
+    compute_b = 2 if plan.is_mixed or plan.precision == "bf16-pure" else 4
+    st.gather_transient = 2 * rp.largest_module * compute_b
+    st.step_transient = _adam_temp(plan, _div(psi_t, n), rp.largest_tensor, device)
+    return st
+
+
+def _adam_temp(plan: TrainingPlan, numel: int, largest: int, device: str) -> int:
+    """AdamW step temporaries. DeepSpeed on CUDA builds the optimizer from the config's optimizer
+    block: FusedAdam (multi_tensor_apply, in place: no temporaries) or DeepSpeedCPUAdam under
+    offload. Plain PyTorch on CUDA takes torch/optim/adamw.py's foreach path:
+    `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`, one temporary as large as all `numel`
+    parameters. On CPU (the test runs) torch AdamW takes the per-tensor path:
+    `exp_avg_sq.sqrt() / bias_correction2_sqrt`, two temporaries of the largest tensor at once."""
+    if plan.optimizer != "adamw":
+        return 0
+    state_b = 2 if plan.precision == "bf16-pure" else 4
+    if device == "cpu":
+        return 2 * min(largest, numel) * state_b
+    if plan.engine == "deepspeed":
+        return 0
+    return numel * state_b
+
+
+def _div(numel: int, n: int) -> int:
+    """Partition size: ceil(numel / n) (DeepSpeed pads partitions to equal length)."""
+    return -(-numel // n)

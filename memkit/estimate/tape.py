@@ -1,0 +1,180 @@
+"""A symbolic autograd tape: which tensors a forward pass saves for backward, and their bytes.
+
+Each op below mirrors what the matching PyTorch autograd node saves
+(torch/csrc/autograd/FunctionsManual.cpp and tools/autograd/derivatives.yaml in pytorch/pytorch):
+`mul` saves `other` only if `self` needs grad and `self` only if `other` does; `linear` saves its
+input only when the weight needs grad and the weight only when the input does; `silu`/`gelu`
+save their input; `tanh`/`softmax`/`log_softmax` save their output; `add`, casts, views, `cat`
+save nothing. Under autocast the dtype rules follow torch/csrc/autograd/autocast_mode.cpp:
+`linear`/`matmul`/`sdpa` run in the low dtype (casting each non-leaf input afresh per call),
+`pow`/`layer_norm`/`log_softmax`/`softmax` run in fp32, everything else promotes.
+
+Counting saved tensors by identity (a tensor saved by two ops counts once) is what makes the
+estimate exact for the blocks HF writes; tests compare it with live-tensor measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+_ids = count()
+
+
+@dataclass(slots=True)
+class Sym:
+    """A symbolic tensor: element count, element bytes, whether autograd tracks it."""
+
+    numel: int
+    itemsize: int
+    requires_grad: bool = True
+    ident: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(slots=True)
+class Tape:
+    """Records saved tensors of one forward region. `autocast`: low dtype bytes (2) or None."""
+
+    autocast: int | None = None
+    saved: dict[int, int] = field(default_factory=dict)
+    labels: dict[str, int] = field(default_factory=dict)
+    label: str = "other"
+
+    # -- bookkeeping -------------------------------------------------------
+    def save(self, *tensors: Sym) -> None:
+        for t in tensors:
+            if t.ident not in self.saved:
+                self.saved[t.ident] = t.nbytes
+                self.labels[self.label] = self.labels.get(self.label, 0) + t.nbytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    def region(self, label: str) -> "Tape":
+        self.label = label
+        return self
+
+    # -- dtype helpers -------------------------------------------------------
+    def cast(self, x: Sym, itemsize: int) -> Sym:
+        """`x.to(dtype)`: a new tensor when the dtype changes; saves nothing."""
+        if x.itemsize == itemsize:
+            return x
+        return Sym(x.numel, itemsize, x.requires_grad)
+
+    def _autocast_in(self, x: Sym) -> Sym:
+        """Autocast casts a non-leaf input to the low dtype afresh on every call."""
+        return self.cast(x, self.autocast) if self.autocast else x
+
+    # -- ops -------------------------------------------------------------------
+    def linear(self, x: Sym, out_numel: int, *, weight_grad: bool, weight_itemsize: int) -> Sym:
+        xin = self._autocast_in(x)
+        if weight_grad:
+            self.save(xin)  # grad_weight = grad_out^T @ input
+        out_size = self.autocast or weight_itemsize
+        return Sym(out_numel, out_size, weight_grad or x.requires_grad)
+
+    def lora_linear(self, x: Sym, out_numel: int, *, rank_numel: int, dropout: bool,
+                    weight_itemsize: int) -> Sym:
+        """peft LoraLayer.forward: base(x) + lora_B(lora_A(dropout(x))) * scaling (peft/tuners/lora/layer.py)."""
+        base = self.linear(x, out_numel, weight_grad=False, weight_itemsize=weight_itemsize)
+        xd = self.dropout(x) if dropout else x
+        a = self.linear(xd, rank_numel, weight_grad=True, weight_itemsize=weight_itemsize)
+        b = self.linear(a, out_numel, weight_grad=True, weight_itemsize=weight_itemsize)
+        return self.add(base, b)
+
+    def add(self, a: Sym, b: Sym) -> Sym:
+        return Sym(max(a.numel, b.numel), max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
+
+    def mul(self, a: Sym, b: Sym) -> Sym:
+        if a.requires_grad:
+            self.save(b)
+        if b.requires_grad:
+            self.save(a)
+        return Sym(max(a.numel, b.numel), max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
+
+    def scale(self, a: Sym) -> Sym:
+        """Multiply by a Python scalar: saves nothing."""
+        return Sym(a.numel, a.itemsize, a.requires_grad)
+
+    def act_saving_input(self, x: Sym) -> Sym:
+        """silu, relu, gelu (erf or tanh form, native kernels): backward reads the input."""
+        if x.requires_grad:
+            self.save(x)
+        return Sym(x.numel, x.itemsize, x.requires_grad)
+
+    def tanh(self, x: Sym) -> Sym:
+        out = Sym(x.numel, x.itemsize, x.requires_grad)
+        if x.requires_grad:
+            self.save(out)
+        return out
+
+    def pow(self, x: Sym) -> Sym:
+        xin = self.cast(x, 4) if self.autocast else x
+        if x.requires_grad:
+            self.save(xin)
+        return Sym(x.numel, xin.itemsize, x.requires_grad)
+
+    def dropout(self, x: Sym) -> Sym:
+        """Training-mode dropout saves a bool mask (native_dropout in aten)."""
+        mask = Sym(x.numel, 1, False)
+        if x.requires_grad:
+            self.save(mask)
+        return Sym(x.numel, x.itemsize, x.requires_grad)
+
+    def rms_norm_llama(self, x: Sym, hidden: int, *, weight_grad: bool, weight_itemsize: int) -> Sym:
+        """LlamaRMSNorm (transformers/models/llama/modeling_llama.py): fp32 math, cast back, weight * x."""
+        x32 = self.cast(x, 4)
+        if x.requires_grad:
+            self.save(x32)  # pow(2) and x * rsqrt both read the fp32 input
+        normed32 = Sym(x.numel, 4, x.requires_grad)
+        normed = self.cast(normed32, x.itemsize)
+        weight = Sym(hidden, weight_itemsize, weight_grad)
+        return self.mul(weight, normed) if (weight_grad or normed.requires_grad) else normed
+
+    def rms_norm_gemma(self, x: Sym, hidden: int, *, weight_grad: bool) -> Sym:
+        """GemmaRMSNorm (transformers/models/gemma/modeling_gemma.py): (x_fp32 normed * (1+w)).type_as(x)."""
+        x32 = self.cast(x, 4)
+        if x.requires_grad:
+            self.save(x32)
+        normed32 = Sym(x.numel, 4, x.requires_grad)
+        w32 = Sym(hidden, 4, weight_grad)
+        out32 = self.mul(normed32, w32)
+        return self.cast(out32, x.itemsize)
+
+    def layer_norm(self, x: Sym) -> Sym:
+        """aten native_layer_norm saves input (and per-row mean/rstd); autocast runs it in fp32."""
+        xin = self.cast(x, 4) if self.autocast else x
+        if x.requires_grad:
+            self.save(xin)
+        return Sym(x.numel, xin.itemsize, True)
+
+    def contiguous_copy(self, x: Sym) -> Sym:
+        return Sym(x.numel, x.itemsize, x.requires_grad)
+
+    def sdpa(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int) -> Sym:
+        """Flash / memory-efficient SDPA: saves q, k, v, output and the fp32 logsumexp (b*heads*s)."""
+        if self.autocast:
+            q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
+        out = Sym(q.numel, q.itemsize, True)
+        self.save(q, k, v, out, Sym(heads * tokens, 4, False))
+        return out
+
+    def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
+                        dropout: bool, softmax_fp32: bool) -> Sym:
+        """transformers eager_attention_forward: softmax(q k^T * scale + mask).to(v) @ v; Llama-style
+        models ask softmax for fp32, GPT-2/BERT-style ones run it in the scores' dtype (autocast: fp32)."""
+        if self.autocast:
+            q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
+        self.save(q, k)  # matmul(q, k^T)
+        numel = heads * tokens * seq_len
+        probs_raw = Sym(numel, 4 if (softmax_fp32 or self.autocast) else q.itemsize, True)
+        self.save(probs_raw)  # softmax saves its output
+        probs = self.cast(probs_raw, q.itemsize)
+        if dropout:
+            probs = self.dropout(probs)
+        self.save(probs, v)  # matmul(probs, v)
+        return Sym(q.numel, q.itemsize, True)

@@ -1,0 +1,1 @@
+"""Memory and throughput measurement used by the runner, `verify`, and the estimator tests."""

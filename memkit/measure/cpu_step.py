@@ -1,0 +1,197 @@
+"""Real training steps of a small HF model on CPU, with the peak bytes of live tensors measured.
+
+The measurement the memory estimator is tested against (issue #2): build the model from its
+config inside a LiveTensorTracker, run `num_steps` optimizer steps of `plan.grad_accum`
+micro-batches of random token ids, and record per phase (init, forward, backward,
+optimizer_step, zero_grad) the peak live bytes of the LAST step (steady state: optimizer states
+exist), what was live at that peak split into params / grads / optimizer / other (activations,
+temporaries), and the bytes of params, grads and optimizer states measured from the objects.
+
+Single process, plain PyTorch (TrainingPlan.engine == "torch", zero_stage 0). DeepSpeed runs
+are in memkit.measure.deepspeed_step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from memkit.errors import MemkitError
+from memkit.plan import TrainingPlan
+
+PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+
+
+def build_config(model_config: dict):
+    """An HF PretrainedConfig from a dict with 'model_type' and the config keys."""
+    from transformers import AutoConfig
+
+    data = dict(model_config)
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise MemkitError("model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def build_model(model_config: dict, plan: TrainingPlan, *, seed: int = 0,
+                checkpoint_reentrant: bool = False):
+    """Model as `plan` trains it: dtype, attention kernel, checkpointing, LoRA. Seeded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = build_config(model_config)
+    config.use_cache = False
+    dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention, dtype=dtype)
+    model.train()
+    if plan.checkpointing == "full":
+        kwargs = {"use_reentrant": checkpoint_reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if plan.is_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=0.0,
+                          target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    return model
+
+
+def build_optimizer(params, plan: TrainingPlan, *, lr: float = 1e-4, foreach: bool = True):
+    """The torch optimizer for plan.optimizer and the kwargs it was built with."""
+    import torch
+
+    if plan.optimizer == "adamw":
+        # foreach=True: torch's default on CUDA (torch/optim/optimizer.py, _default_to_fused_or_foreach);
+        # on CPU the default is the per-tensor loop, whose temporaries are one parameter at a time.
+        kwargs = {"lr": lr, "weight_decay": 0.0, "foreach": foreach}
+        return torch.optim.AdamW(params, **kwargs), {"name": "torch.optim.AdamW", **kwargs}
+    if plan.optimizer == "sgd":
+        kwargs = {"lr": lr, "momentum": 0.9, "foreach": foreach}
+        return torch.optim.SGD(params, **kwargs), {"name": "torch.optim.SGD", **kwargs}
+    if plan.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        kwargs = {"lr": lr, "scale_parameter": False, "relative_step": False, "warmup_init": False}
+        return Adafactor(params, **kwargs), {"name": "transformers.optimization.Adafactor", **kwargs}
+    raise MemkitError(f"--optimizer {plan.optimizer!r} is not measurable on CPU; use adamw, sgd or adafactor")
+
+
+def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:
+    import torch
+
+    ids = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def measure_training(model_config: dict, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
+                     lr: float = 1e-4, foreach: bool = True, checkpoint_reentrant: bool = False) -> dict:
+    """Run `num_steps` real optimizer steps under a LiveTensorTracker; return the measured figures.
+
+    Precision: fp32; bf16 = autocast(bfloat16) with fp32 params (mixed); bf16-pure = params,
+    grads and optimizer states in bfloat16.
+    """
+    import torch
+
+    from memkit.measure.live_tensors import LiveTensorTracker
+
+    plan.validate()
+    if plan.precision == "fp16":
+        raise MemkitError("--precision fp16 is not measurable on CPU (no fp16 autocast); use bf16")
+    if plan.zero_stage != 0 or plan.dp * plan.tp * plan.pp != 1:
+        raise MemkitError("measure_training runs one process without ZeRO; use "
+                          "memkit.measure.deepspeed_step for ZeRO / data parallel plans")
+    if num_steps < 2:
+        raise MemkitError(f"--steps {num_steps}: need >= 2 so the last step has optimizer states")
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if plan.precision == "bf16" \
+        else contextlib.nullcontext
+    boundary: dict[str, dict] = {}
+    with LiveTensorTracker() as tracker:
+        with tracker.phase("init"):
+            model = build_model(model_config, plan, seed=seed, checkpoint_reentrant=checkpoint_reentrant)
+            params = [p for p in model.parameters()]
+            trainable = [p for p in params if p.requires_grad]
+            optimizer, opt_kwargs = build_optimizer(trainable, plan, lr=lr, foreach=foreach)
+        vocab_size = model.config.vocab_size
+        tracker.tag(model.buffers(), "buffer")
+        tracker.tag(params, "param")
+        for step in range(num_steps):
+            for _micro in range(plan.grad_accum):
+                batch = random_batch(vocab_size, plan, generator)
+                with tracker.phase(f"forward#{step}"):
+                    with autocast():
+                        loss = model(**batch).loss / plan.grad_accum
+                with tracker.phase(f"backward#{step}"):
+                    loss.backward()
+                del loss, batch
+                tracker.tag([p.grad for p in trainable if p.grad is not None], "grad")
+            boundary["after_backward"] = _components(tracker, model, optimizer)
+            with tracker.phase(f"optimizer_step#{step}"):
+                optimizer.step()
+            tracker.tag(list(_optimizer_tensors(optimizer)), "optimizer")
+            boundary["after_step"] = _components(tracker, model, optimizer)
+            with tracker.phase(f"zero_grad#{step}"):
+                optimizer.zero_grad(set_to_none=True)
+            boundary["after_zero_grad"] = _components(tracker, model, optimizer)
+        del optimizer, model, params, trainable
+
+    last = num_steps - 1
+    phases = {"init": _phase_summary(tracker, tracker.records("init"))}
+    for name in PHASES:
+        phases[name] = _phase_summary(tracker, tracker.records(f"{name}#{last}"))
+    return {
+        "peak_bytes": tracker.peak_bytes,
+        "peak_breakdown": tracker.peak_breakdown(),
+        "phases": phases,
+        "boundary": boundary,
+        "optimizer": opt_kwargs,
+        "num_steps": num_steps,
+        "checkpoint_reentrant": checkpoint_reentrant,
+    }
+
+
+def count_params(model_config: dict, plan: TrainingPlan) -> dict:
+    """Distinct parameter and trainable-parameter counts of the model `plan` trains (ties counted once)."""
+    model = build_model(model_config, plan)
+    seen: dict[int, Any] = {}
+    for p in model.parameters():
+        seen[id(p)] = p
+    return {"num_params": sum(p.numel() for p in seen.values()),
+            "num_trainable_params": sum(p.numel() for p in seen.values() if p.requires_grad)}
+
+
+def _optimizer_tensors(optimizer):
+    import torch
+
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _components(tracker, model, optimizer) -> dict:
+    """Bytes of params, grads, optimizer states and buffers measured from the objects, and live bytes."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    params_bytes = tracker.bytes_of(params)
+    grads_bytes = tracker.bytes_of(grads)
+    optimizer_bytes = tracker.bytes_of(list(_optimizer_tensors(optimizer)))
+    buffers_bytes = tracker.bytes_of(list(model.buffers()))
+    live = tracker.live_bytes
+    return {"live_bytes": live, "params_bytes": params_bytes, "grads_bytes": grads_bytes,
+            "optimizer_bytes": optimizer_bytes, "buffers_bytes": buffers_bytes,
+            "other_bytes": live - params_bytes - grads_bytes - optimizer_bytes - buffers_bytes}
+
+
+def _phase_summary(tracker, records) -> dict:
+    """Highest peak among `records` (e.g. the forwards of every micro-batch of one step)."""
+    if not records:
+        return {}
+    top = max(records, key=lambda r: r.peak_bytes)
+    return {"peak_bytes": top.peak_bytes, "start_live_bytes": records[0].start_live_bytes,
+            "end_live_bytes": records[-1].end_live_bytes, "num_intervals": len(records),
+            "peak_breakdown": tracker.live_at(top.peak_seq)}

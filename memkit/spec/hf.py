@@ -1,0 +1,644 @@
+"""Read a Hugging Face config.json into a ModelSpec: the only place HF config keys are read.
+
+`load_model_spec(arg)` accepts, in this order:
+  1. a path to a config.json, or to a folder holding one;
+  2. a bundled catalog name or alias (presets/models/catalog.json; case-insensitive, '_' == '-');
+  3. a hub id (org/name) whose config.json is already in the local HF cache. memkit never downloads.
+
+Parameter counts are exact: each family below mirrors its transformers 5.24 modeling file (cited per
+family), and tests/unit/test_hf_spec.py compares every count with sum(p.numel()) of the model that
+transformers builds on the meta device (tied weights counted once). Defaults for absent keys are the
+family's config-class defaults (transformers/models/<family>/configuration_<family>.py).
+No torch or transformers import here: config work is instant (STYLE.md, litgpt).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from memkit.errors import MemkitError, did_you_mean
+from memkit.presets_dir import presets_dir
+from memkit.spec.model import Linear, ModelSpec
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------- the bundled catalog
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CatalogModel:
+    name: str
+    hub_id: str
+    config_path: Path
+    aliases: tuple[str, ...] = ()
+    note: str = ""
+
+
+def model_catalog() -> dict[str, CatalogModel]:
+    """Every bundled model by catalog name, in catalog order."""
+    return _catalog(str(presets_dir()))
+
+
+@lru_cache(maxsize=4)
+def _catalog(root: str) -> dict[str, CatalogModel]:
+    index = Path(root) / "models" / "catalog.json"
+    data = _read_json(index)
+    out = {}
+    for name, row in data["models"].items():
+        out[name] = CatalogModel(name=name, hub_id=row["hub_id"], config_path=index.parent / name / "config.json",
+                                 aliases=tuple(row.get("aliases", ())), note=row.get("note", ""))
+    return out
+
+
+def _key(text: str) -> str:
+    return text.strip().lower().replace("_", "-")
+
+
+def find_catalog_model(name: str) -> CatalogModel | None:
+    """The catalog entry whose name, alias, hub id or hub repo name matches `name`, or None."""
+    key = _key(name)
+    for entry in model_catalog().values():
+        keys = {entry.name, entry.hub_id, entry.hub_id.split("/")[-1], *entry.aliases}
+        if key in {_key(k) for k in keys}:
+            return entry
+    return None
+
+
+# ---------------------------------------------------------------- resolution
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    """A ModelSpec from a config path, a catalog name, or a hub id already in the local HF cache."""
+    arg = str(name_or_path).strip()
+    if not arg:
+        raise MemkitError("--model is empty; pass a catalog name (see `memkit models`), a config.json path "
+                          "or a cached hub id such as meta-llama/Llama-3.1-8B")
+    path = Path(arg).expanduser()
+    entry = find_catalog_model(arg)
+    if path.is_file():
+        return spec_from_config(_read_json(path), name=arg, config_path=str(path))
+    if path.is_dir() and (entry is None or (path / "config.json").is_file()):
+        config = path / "config.json"
+        if not config.is_file():
+            raise MemkitError(f"folder {arg!r} holds no config.json; pass the model folder that has one, "
+                              "or the config.json itself")
+        return spec_from_config(_read_json(config), name=arg, config_path=str(config))
+    if entry is not None:
+        return spec_from_config(_read_json(entry.config_path), name=entry.name, hub_id=entry.hub_id,
+                                config_path=str(entry.config_path))
+    if _looks_like_path(arg):
+        raise MemkitError(f"config file {arg!r} does not exist; check the path, or pass a catalog name "
+                          "(see `memkit models`)")
+    if arg.count("/") == 1:
+        cached = _cached_hub_config(arg)
+        if cached is not None:
+            return spec_from_config(_read_json(cached), name=arg, hub_id=arg, config_path=str(cached))
+        raise MemkitError(f"{arg!r} is not a catalog model and its config.json is not in the local Hugging Face "
+                          f"cache ({_hub_cache_dir()}); memkit never downloads: run "
+                          f"`hf download {arg} config.json` first, or pass the path to a config.json")
+    names = list(model_catalog())
+    raise MemkitError(f"unknown model {arg!r}{did_you_mean(arg, names)}; `memkit models` lists the catalog; "
+                      "or pass a config.json path or a cached hub id (org/name)")
+
+
+def _looks_like_path(arg: str) -> bool:
+    """A hub id is 'org/name'; anything with a .json suffix, a leading ./~, or more slashes is a path."""
+    return arg.endswith(".json") or arg.startswith((".", "/", "~")) or arg.count("/") > 1 or "\\" in arg
+
+
+def _hub_cache_dir() -> str:
+    """huggingface_hub's cache folder, read at call time (huggingface_hub/constants.py: HF_HUB_CACHE, HF_HOME)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def _cached_hub_config(repo_id: str) -> Path | None:
+    """config.json of `repo_id` from the local HF cache (no network; HF_HUB_OFFLINE-safe)."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: only hub ids need it
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache_dir())
+    except Exception:  # an invalid repo id (HFValidationError) is simply not cached
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise MemkitError(f"config file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise MemkitError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MemkitError(f"{str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}; "
+                          "fix the file or fetch it again") from None
+    if not isinstance(data, dict):
+        raise MemkitError(f"{str(path)!r} holds a JSON {type(data).__name__}, not a config object")
+    return data
+
+
+# ---------------------------------------------------------------- config access
+
+class _Cfg:
+    """A config dict with the checks every family needs. A JSON null reads as absent."""
+
+    def __init__(self, data: dict, source: str):
+        self.data = data
+        self.source = source
+        self.model_type = data.get("model_type")
+
+    def get(self, *keys, default=None):
+        """The first of `keys` that is set (attribute_map aliases), else `default`."""
+        for key in keys:
+            if self.data.get(key) is not None:
+                return self.data[key]
+        return default
+
+    def has(self, key) -> bool:
+        return key in self.data
+
+    def need(self, *groups) -> list[int]:
+        """Positive ints for each key group (a str, or a tuple of alias spellings); one error lists all missing."""
+        values, missing = [], []
+        for group in groups:
+            names = (group,) if isinstance(group, str) else group
+            value = self.get(*names)
+            if value is None:
+                missing.append(names[0])
+            values.append(value)
+        if missing:
+            raise MemkitError(f"{self.source} (model_type {self.model_type}) lacks {', '.join(missing)}; "
+                              "a transformer config.json needs them: use the model's full config.json")
+        for group, value in zip(groups, values):
+            self.check_int(group if isinstance(group, str) else group[0], value)
+        return values
+
+    def int(self, key: str, default: int, *aliases) -> int:
+        value = self.get(key, *aliases, default=default)
+        return self.check_int(key, value)
+
+    def check_int(self, key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MemkitError(f"{self.source}: {key}={value!r} must be a positive integer")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.get(key, default=default)
+        if not isinstance(value, bool):
+            raise MemkitError(f"{self.source}: {key}={value!r} must be true or false")
+        return value
+
+    def num(self, key: str, default: float, *aliases) -> float:
+        value = self.get(key, *aliases, default=default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MemkitError(f"{self.source}: {key}={value!r} must be a number")
+        return float(value)
+
+    def heads(self, n_heads: int, kv_key: str = "num_key_value_heads", kv_default=None) -> int:
+        """KV heads: absent -> the class default (None means n_heads); null -> n_heads."""
+        raw = self.data.get(kv_key, kv_default) if kv_key in self.data else kv_default
+        n_kv = n_heads if raw is None else self.check_int(kv_key, raw)
+        if n_heads % n_kv:
+            raise MemkitError(f"{self.source}: num_attention_heads={n_heads} is not a multiple of "
+                              f"{kv_key}={n_kv}; fix the config")
+        return n_kv
+
+    def head_dim(self, hidden: int, n_heads: int, default=None) -> int:
+        value = self.get("head_dim", default=default)
+        if value is None:
+            if hidden % n_heads:
+                raise MemkitError(f"{self.source}: hidden_size={hidden} is not divisible by "
+                                  f"num_attention_heads={n_heads} and head_dim is not set; fix the config")
+            return hidden // n_heads
+        return self.check_int("head_dim", value)
+
+    def rope_extra(self) -> dict:
+        out = {}
+        for key in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "rotary_pct",
+                    "sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+            if self.data.get(key) is not None:
+                out[key] = self.data[key]
+        return out
+
+
+# ---------------------------------------------------------------- block pieces
+
+def _lin(name, in_f, out_f, bias, role, tp, count=1) -> Linear:
+    # tp_style follows Megatron-LM (Shoeybi et al. 2019, Sec. 3): the first GEMM of the MLP and the
+    # Q/K/V projections are split by columns (outputs), the second MLP GEMM and the attention output
+    # projection by rows (inputs); everything else is replicated.
+    return Linear(name=name, in_features=in_f, out_features=out_f, bias=bias, role=role, count=count, tp_style=tp)
+
+
+def _attention(h, n_heads, n_kv, hd, *, qkv_bias, o_bias, names=("q_proj", "k_proj", "v_proj", "o_proj"),
+               kv_in=None) -> tuple[Linear, ...]:
+    q, k, v, o = names
+    kv_in = kv_in or h
+    return (_lin(q, h, n_heads * hd, qkv_bias, "q", "column"),
+            _lin(k, kv_in, n_kv * hd, qkv_bias, "k", "column"),
+            _lin(v, kv_in, n_kv * hd, qkv_bias, "v", "column"),
+            _lin(o, n_heads * hd, h, o_bias, "o", "row"))
+
+
+def _gated_mlp(h, inter, bias, names=("gate_proj", "up_proj", "down_proj")) -> tuple[Linear, ...]:
+    gate, up, down = names
+    return (_lin(gate, h, inter, bias, "gate", "column"), _lin(up, h, inter, bias, "up", "column"),
+            _lin(down, inter, h, bias, "down", "row"))
+
+
+def _mlp(h, inter, bias, names=("fc1", "fc2"), down_bias=None) -> tuple[Linear, ...]:
+    up, down = names
+    return (_lin(up, h, inter, bias, "up", "column"),
+            _lin(down, inter, h, bias if down_bias is None else down_bias, "down", "row"))
+
+
+def _sum(linears) -> int:
+    return sum(lin.num_params for lin in linears)
+
+
+def _common(c: _Cfg, **fields) -> dict:
+    """Spec fields every family shares, plus the family's own."""
+    fields.setdefault("extra", {})
+    fields["extra"] = {**c.rope_extra(), **fields["extra"]}
+    return fields
+
+
+# ---------------------------------------------------------------- decoder families, RoPE + RMSNorm
+
+def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=None, head_dim_default=None,
+                q_bias=False, o_bias=False, mlp_bias=False, norms_per_block=2, qk_norm=False, fused=False,
+                experts=0, top_k=0, extra=None) -> dict:
+    """Llama-style pre-norm decoder block: RMSNorm(H) weights only, attention, (gated) MLP.
+
+    llama: transformers/models/llama/modeling_llama.py (LlamaAttention, LlamaMLP, LlamaDecoderLayer).
+    """
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    n_kv = c.heads(n_heads, kv_default=kv_default)
+    hd = c.head_dim(h, n_heads, default=head_dim_default)
+    if fused:  # Phi-3 fuses Q/K/V and gate/up into one Linear each (phi3/modeling_phi3.py, Phi3Attention, Phi3MLP)
+        linears = (_lin("qkv_proj", h, (n_heads + 2 * n_kv) * hd, False, "qkv", "column"),
+                   _lin("o_proj", n_heads * hd, h, False, "o", "row"),
+                   _lin("gate_up_proj", h, 2 * inter, False, "gate_up", "column"),
+                   _lin("down_proj", inter, h, False, "down", "row"))
+    else:
+        linears = _attention(h, n_heads, n_kv, hd, qkv_bias=q_bias, o_bias=o_bias)
+        if experts:  # mixtral/modeling_mixtral.py: MixtralTopKRouter weight (E, H); MixtralExperts 3-D params
+            linears += (_lin("gate", h, experts, False, "router", "replicate"),
+                        _lin("experts.gate_up_proj", h, 2 * inter, False, "expert_gate_up", "column", experts),
+                        _lin("experts.down_proj", inter, h, False, "expert_down", "row", experts))
+        else:
+            linears += _gated_mlp(h, inter, mlp_bias)
+    norms = norms_per_block * h + (2 * hd if qk_norm else 0)  # RMSNorm has a weight and no bias
+    tie = c.flag("tie_word_embeddings", tie_default)
+    return _common(
+        c, architecture=architecture, kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048), hidden_act=hidden_act,
+        gated_mlp=True, norm_type="rmsnorm", position_embedding="rope",
+        attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=0.0,
+        num_experts=experts, num_experts_per_tok=top_k, tie_word_embeddings=tie, layer_linears=linears,
+        embedding_params=vocab * h, layer_params=_sum(linears) + norms,
+        head_params=h + (0 if tie else vocab * h), extra=extra or {})
+
+
+def _llama(c):
+    # llama/configuration_llama.py defaults; attention_bias and mlp_bias switch every projection's bias.
+    return _llama_like(c, architecture="LlamaForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, q_bias=c.flag("attention_bias", False),
+                       o_bias=c.flag("attention_bias", False), mlp_bias=c.flag("mlp_bias", False))
+
+
+def _mistral(c):
+    # mistral/modeling_mistral.py: no biases anywhere; kv heads default 8.
+    return _llama_like(c, architecture="MistralForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, kv_default=8)
+
+
+def _mixtral(c):
+    # mixtral/modeling_mixtral.py: Mistral attention + MixtralSparseMoeBlock (router + fused 3-D experts).
+    experts = c.int("num_local_experts", 8, "num_experts")
+    top_k = c.int("num_experts_per_tok", 2)
+    return _llama_like(c, architecture="MixtralForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, kv_default=8, experts=experts, top_k=top_k,
+                       extra={"router_aux_loss_coef": c.num("router_aux_loss_coef", 0.001)})
+
+
+def _qwen2(c):
+    # qwen2/modeling_qwen2.py: q/k/v carry a bias, o_proj and the MLP do not; absent kv heads default to 32.
+    extra = {"use_sliding_window": c.flag("use_sliding_window", False)}
+    return _llama_like(c, architecture="Qwen2ForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, kv_default=32, q_bias=True, o_bias=False, extra=extra)
+
+
+def _qwen3(c):
+    # qwen3/modeling_qwen3.py: attention_bias on all four projections, RMSNorm q_norm/k_norm over head_dim.
+    bias = c.flag("attention_bias", False)
+    return _llama_like(c, architecture="Qwen3ForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, kv_default=32, head_dim_default=128, q_bias=bias, o_bias=bias,
+                       qk_norm=True)
+
+
+def _gemma_act(c, key):
+    act = c.get(key, default="gelu_pytorch_tanh")
+    # gemma/configuration_gemma.py: the legacy "gelu" of the official configs means the tanh approximation.
+    return "gelu_pytorch_tanh" if act == "gelu" else act
+
+
+def _gemma(c):
+    # gemma/modeling_gemma.py: Llama block, tied embeddings by default, head_dim default 256.
+    bias = c.flag("attention_bias", False)
+    return _llama_like(c, architecture="GemmaForCausalLM", hidden_act=_gemma_act(c, "hidden_act"),
+                       tie_default=True, kv_default=16, head_dim_default=256, q_bias=bias, o_bias=bias)
+
+
+def _gemma2(c):
+    # gemma2/modeling_gemma2.py: four RMSNorms per block (pre/post attention, pre/post feed-forward).
+    bias = c.flag("attention_bias", False)
+    return _llama_like(c, architecture="Gemma2ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
+                       tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
+                       norms_per_block=4, extra={"query_pre_attn_scalar": c.get("query_pre_attn_scalar")})
+
+
+def _gemma3_text(c):
+    # gemma3/modeling_gemma3.py (Gemma3ForCausalLM): Gemma2 block plus q_norm/k_norm over head_dim.
+    bias = c.flag("attention_bias", False)
+    return _llama_like(c, architecture="Gemma3ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
+                       tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
+                       norms_per_block=4, qk_norm=True,
+                       extra={"sliding_window_pattern": c.get("sliding_window_pattern", default=6)})
+
+
+def _phi3(c):
+    spec = _llama_like(c, architecture="Phi3ForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, fused=True)
+    spec["hidden_dropout"] = c.num("resid_pdrop", 0.0)
+    spec["extra"]["embedding_dropout"] = c.num("embd_pdrop", 0.0)
+    return spec
+
+
+# ---------------------------------------------------------------- decoder families, LayerNorm
+
+def _phi(c):
+    """phi/modeling_phi.py: one LayerNorm per block, attention and MLP in parallel, biased Linears and LM head."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    n_kv = c.heads(n_heads)
+    hd = c.head_dim(h, n_heads)
+    linears = _attention(h, n_heads, n_kv, hd, qkv_bias=True, o_bias=True,
+                         names=("q_proj", "k_proj", "v_proj", "dense")) + _mlp(h, inter, True)
+    qk_norm = 2 * 2 * (h // n_heads) if c.flag("qk_layernorm", False) else 0  # LayerNorm weight + bias
+    tie = c.flag("tie_word_embeddings", False)
+    # lm_head = nn.Linear(H, V, bias=True): tying shares the weight, the bias stays.
+    head = 2 * h + vocab + (0 if tie else vocab * h)
+    return _common(
+        c, architecture="PhiForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        hidden_act=c.get("hidden_act", default="gelu_new"), gated_mlp=False, norm_type="layernorm",
+        position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
+        hidden_dropout=c.num("resid_pdrop", 0.0), tie_word_embeddings=tie, parallel_attn_mlp=True,
+        layer_linears=linears, embedding_params=vocab * h, layer_params=_sum(linears) + 2 * h + qk_norm,
+        head_params=head, extra={"embedding_dropout": c.num("embd_pdrop", 0.0)})
+
+
+def _gpt2(c):
+    """gpt2/modeling_gpt2.py: learned positions, Conv1D (a transposed Linear) everywhere, tied LM head."""
+    h, n_layers, n_heads, vocab = c.need(("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
+                                         ("n_head", "num_attention_heads"), "vocab_size")
+    n_pos = c.int("n_positions", 1024, "max_position_embeddings")
+    inter = c.int("n_inner", 4 * h)
+    linears = (_lin("c_attn", h, 3 * h, True, "qkv", "column"), _lin("c_proj", h, h, True, "o", "row"),
+               _lin("c_fc", h, inter, True, "up", "column"), _lin("c_proj", inter, h, True, "down", "row"))
+    norms = 2 * 2 * h
+    if c.flag("add_cross_attention", False):  # GPT2Block: crossattention (c_attn H->2H, q_attn, c_proj) + ln
+        linears += (_lin("c_attn", h, 2 * h, True, "kv", "column"), _lin("q_attn", h, h, True, "q", "column"),
+                    _lin("c_proj", h, h, True, "o", "row"))
+        norms += 2 * h
+    tie = c.flag("tie_word_embeddings", True)
+    return _common(
+        c, architecture="GPT2LMHeadModel", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=n_pos, hidden_act=c.get("activation_function", default="gelu_new"),
+        gated_mlp=False, norm_type="layernorm", position_embedding="learned",
+        attention_dropout=c.num("attn_pdrop", 0.1), hidden_dropout=c.num("resid_pdrop", 0.1),
+        tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + n_pos * h,
+        layer_params=_sum(linears) + norms, head_params=2 * h + (0 if tie else vocab * h),
+        extra={"embedding_dropout": c.num("embd_pdrop", 0.1)})
+
+
+def _opt(c):
+    """opt/modeling_opt.py: learned positions offset by 2, optional project_in/out when word_embed_proj_dim != H."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "ffn_dim", "vocab_size")
+    n_pos = c.int("max_position_embeddings", 2048)
+    proj = c.int("word_embed_proj_dim", h)
+    bias = c.flag("enable_bias", True)
+    ln = 2 * h if c.flag("layer_norm_elementwise_affine", True) else 0
+    linears = _attention(h, n_heads, n_heads, h // n_heads, qkv_bias=bias, o_bias=bias,
+                         names=("q_proj", "k_proj", "v_proj", "out_proj")) + _mlp(h, inter, bias)
+    final_ln = ln if c.flag("do_layer_norm_before", True) and not c.flag("_remove_final_layer_norm", False) else 0
+    project = proj * h if proj != h else 0  # project_in / project_out, no bias
+    tie = c.flag("tie_word_embeddings", True)
+    return _common(
+        c, architecture="OPTForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=n_pos, hidden_act=c.get("activation_function", default="relu"),
+        gated_mlp=False, norm_type="layernorm", position_embedding="learned",
+        attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("dropout", 0.1),
+        tie_word_embeddings=tie, layer_linears=linears,
+        embedding_params=vocab * proj + (n_pos + 2) * h + project,  # OPTLearnedPositionalEmbedding: offset 2
+        layer_params=_sum(linears) + 2 * ln, head_params=final_ln + project + (0 if tie else vocab * proj),
+        extra={"word_embed_proj_dim": proj})
+
+
+def _bloom(c):
+    """bloom/modeling_bloom.py: ALiBi, a LayerNorm right after the word embeddings, MLP width 4H."""
+    h, n_layers, n_heads, vocab = c.need(("hidden_size", "n_embed"), ("n_layer", "num_hidden_layers"),
+                                         ("n_head", "num_attention_heads"), "vocab_size")
+    linears = (_lin("query_key_value", h, 3 * h, True, "qkv", "column"), _lin("dense", h, h, True, "o", "row"),
+               _lin("dense_h_to_4h", h, 4 * h, True, "up", "column"),
+               _lin("dense_4h_to_h", 4 * h, h, True, "down", "row"))
+    tie = c.flag("tie_word_embeddings", True)
+    return _common(
+        c, architecture="BloomForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=4 * h,
+        vocab_size=vocab, max_position_embeddings=c.int("seq_length", 2048, "max_position_embeddings"),
+        hidden_act="bloom_gelu", gated_mlp=False, norm_type="layernorm", position_embedding="alibi",
+        attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
+        tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + 2 * h,
+        layer_params=_sum(linears) + 2 * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
+
+
+def _falcon(c):
+    """falcon/modeling_falcon.py: fused QKV (multi-query or GQA), parallel attention/MLP, tied head."""
+    h, n_layers, n_heads, vocab = c.need(("hidden_size", "n_embed"), "num_hidden_layers", "num_attention_heads",
+                                         "vocab_size")
+    hd = h // n_heads
+    new_arch = c.flag("new_decoder_architecture", False)
+    multi_query = c.flag("multi_query", True)
+    parallel = c.flag("parallel_attn", True)
+    bias = c.flag("bias", False)
+    inter = c.int("ffn_hidden_size", 4 * h)
+    if new_arch:  # FalconAttention: qkv_out_dim = (2 * num_kv_heads + num_heads) * head_dim
+        n_kv = c.heads(n_heads, kv_key="num_kv_heads")
+    else:
+        n_kv = 1 if multi_query else n_heads
+    linears = (_lin("query_key_value", h, (n_heads + 2 * n_kv) * hd, bias, "qkv", "column"),
+               _lin("dense", h, h, bias, "o", "row"),
+               _lin("dense_h_to_4h", h, inter, bias, "up", "column"),
+               _lin("dense_4h_to_h", inter, h, bias, "down", "row"))
+    n_ln = c.get("num_ln_in_parallel_attn", default=2 if new_arch else 1)  # FalconDecoderLayer.__init__
+    n_ln = 2 if not parallel else (2 if n_ln == 2 else 1)
+    tie = c.flag("tie_word_embeddings", True)
+    alibi = c.flag("alibi", False)
+    return _common(
+        c, architecture="FalconForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        hidden_act=c.get("activation", default="gelu"), gated_mlp=False, norm_type="layernorm",
+        position_embedding="alibi" if alibi else "rope", attention_dropout=c.num("attention_dropout", 0.0),
+        hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
+        parallel_attn_mlp=parallel, layer_linears=linears, embedding_params=vocab * h,
+        layer_params=_sum(linears) + n_ln * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
+
+
+def _gpt_neox(c):
+    """gpt_neox/modeling_gpt_neox.py: fused QKV, two LayerNorms, parallel residual, partial rotary, untied head."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    bias = c.flag("attention_bias", True)
+    linears = (_lin("query_key_value", h, 3 * h, bias, "qkv", "column"), _lin("dense", h, h, bias, "o", "row"),
+               _lin("dense_h_to_4h", h, inter, True, "up", "column"),
+               _lin("dense_4h_to_h", inter, h, True, "down", "row"))
+    tie = c.flag("tie_word_embeddings", False)
+    return _common(
+        c, architecture="GPTNeoXForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        hidden_act=c.get("hidden_act", default="gelu"), gated_mlp=False, norm_type="layernorm",
+        position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
+        hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
+        # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the block input (GPTNeoXLayer.forward)
+        parallel_attn_mlp=c.flag("use_parallel_residual", True), layer_linears=linears,
+        embedding_params=vocab * h, layer_params=_sum(linears) + 2 * 2 * h,
+        head_params=2 * h + (0 if tie else vocab * h))
+
+
+# ---------------------------------------------------------------- encoders and encoder-decoders
+
+def _bert_like(c, *, architecture):
+    """bert/modeling_bert.py (BertForMaskedLM: BertModel without pooler + BertLMPredictionHead);
+    roberta/modeling_roberta.py has the same parameters (RobertaLMHead)."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    if c.flag("add_cross_attention", False) or c.flag("is_decoder", False):
+        raise MemkitError(f"{c.source}: a {c.model_type} decoder (is_decoder/add_cross_attention) is not "
+                          "supported; memkit estimates masked-LM training of the encoder")
+    n_pos = c.int("max_position_embeddings", 512)  # BertConfig / RobertaConfig defaults
+    n_types = c.int("type_vocab_size", 2)
+    linears = _attention(h, n_heads, n_heads, h // n_heads, qkv_bias=True, o_bias=True,
+                         names=("query", "key", "value", "dense")) + _mlp(h, inter, True, names=("dense", "dense"))
+    tie = c.flag("tie_word_embeddings", True)
+    # MLM head: transform dense (H*H + H) + LayerNorm (2H) + output bias (V); decoder weight tied to the word
+    # embeddings; untied, the decoder owns its own weight and bias (the bias is tied only with the weights).
+    head = h * h + h + 2 * h + vocab + (0 if tie else vocab * h + vocab)
+    return _common(
+        c, architecture=architecture, kind="encoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=n_pos, hidden_act=c.get("hidden_act", default="gelu"),
+        gated_mlp=False, norm_type="layernorm", position_embedding="learned",
+        attention_dropout=c.num("attention_probs_dropout_prob", 0.1), hidden_dropout=c.num("hidden_dropout_prob", 0.1),
+        tie_word_embeddings=tie, layer_linears=linears,
+        embedding_params=vocab * h + n_pos * h + n_types * h + 2 * h,  # word, position, token type, LayerNorm
+        layer_params=_sum(linears) + 2 * 2 * h, head_params=head)
+
+
+def _bert(c):
+    return _bert_like(c, architecture="BertForMaskedLM")
+
+
+def _roberta(c):
+    return _bert_like(c, architecture="RobertaForMaskedLM")
+
+
+def _t5(c):
+    """t5/modeling_t5.py (T5ForConditionalGeneration): shared embedding, bias-free Linears, T5LayerNorm (an RMS
+    norm, weight only), a relative-position bias table in block 0 of each stack, a final norm per stack.
+
+    The tables (relative_attention_num_buckets x num_heads, one per stack) are counted in embedding_params, so
+    every block of a stack has the same layer_params. tie_word_embeddings=false (T5 v1.1, Flan-T5) is taken as
+    the checkpoint has it: an untied lm_head. transformers 5 forces T5Config.tie_word_embeddings=True (it keeps
+    the old flag as scale_decoder_outputs), so from_config ties lm_head, but from_pretrained of such a
+    checkpoint finds a different lm_head.weight and leaves it untied (modeling_utils.tie_weights).
+    """
+    h, n_enc, n_heads, d_ff, vocab = c.need(("d_model", "hidden_size"), ("num_layers", "num_hidden_layers"),
+                                            ("num_heads", "num_attention_heads"), "d_ff", "vocab_size")
+    hd = c.int("d_kv", 64, "head_dim")
+    n_dec = c.int("num_decoder_layers", n_enc)
+    proj = c.get("feed_forward_proj", default="relu")
+    gated = proj.startswith("gated-")
+    act = proj.split("-")[-1]
+    act = "gelu_new" if proj == "gated-gelu" else act  # T5Config.__post_init__
+    names = ("q", "k", "v", "o")
+    ff = (_gated_mlp(h, d_ff, False, names=("wi_0", "wi_1", "wo")) if gated
+          else _mlp(h, d_ff, False, names=("wi", "wo")))
+    attn = _attention(h, n_heads, n_heads, hd, qkv_bias=False, o_bias=False, names=names)
+    enc = attn + ff
+    dec = attn + _attention(h, n_heads, n_heads, hd, qkv_bias=False, o_bias=False, names=names) + ff
+    buckets = c.int("relative_attention_num_buckets", 32)
+    tie = c.flag("tie_word_embeddings", True)
+    dropout = c.num("dropout_rate", 0.1)
+    return _common(
+        c, architecture="T5ForConditionalGeneration", kind="encoder-decoder", num_layers=n_dec,
+        num_encoder_layers=n_enc, hidden_size=h, num_attention_heads=n_heads, num_key_value_heads=n_heads,
+        head_dim=hd, intermediate_size=d_ff, vocab_size=vocab,
+        max_position_embeddings=c.int("n_positions", 512), hidden_act=act, gated_mlp=gated, norm_type="rmsnorm",
+        position_embedding="relative", attention_dropout=dropout, hidden_dropout=dropout, tie_word_embeddings=tie,
+        layer_linears=dec, encoder_layer_linears=enc,
+        embedding_params=vocab * h + 2 * buckets * n_heads,
+        layer_params=_sum(dec) + 3 * h, encoder_layer_params=_sum(enc) + 2 * h,
+        head_params=2 * h + (0 if tie else vocab * h),  # encoder and decoder final_layer_norm, untied lm_head
+        extra={"relative_attention_num_buckets": buckets,
+               "relative_attention_max_distance": c.get("relative_attention_max_distance", default=128)})
+
+
+# ---------------------------------------------------------------- dispatch
+
+_FAMILIES = {
+    "llama": _llama, "mistral": _mistral, "mixtral": _mixtral, "qwen2": _qwen2, "qwen3": _qwen3,
+    "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3_text, "phi": _phi, "phi3": _phi3,
+    "gpt2": _gpt2, "opt": _opt, "bloom": _bloom, "falcon": _falcon, "gpt_neox": _gpt_neox,
+    "bert": _bert, "roberta": _roberta, "t5": _t5,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+
+def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: str = "") -> ModelSpec:
+    """A ModelSpec from the dict of a config.json (`name` is what the user called it)."""
+    source = config_path or name
+    model_type = config.get("model_type")
+    if not model_type:
+        raise MemkitError(f"{source} has no model_type; is it a Hugging Face config.json? "
+                          f"memkit supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
+        raise MemkitError(f"{source} is a multimodal gemma3 config; memkit estimates its language model: save "
+                          "its text_config (model_type gemma3_text) as a config.json and pass that")
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise MemkitError(f"model_type {model_type!r} ({source}) is not supported{did_you_mean(model_type, _FAMILIES)}; "
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    fields = family(_Cfg(config, source))
+    num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
+                  + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)
+                  + fields["head_params"])
+    return ModelSpec(name=name, model_type=model_type, num_params=num_params, hub_id=hub_id,
+                     config_path=config_path, **fields)

@@ -1,0 +1,202 @@
+"""Atomic checkpoints that resume exactly, and the final Hugging Face model folder.
+
+A checkpoint is written into `checkpoints/.tmp-step-N/` by every rank (Accelerate's save_state:
+the DeepSpeed engine checkpoint with model, optimizer partitions, loss scaler and engine
+counters, plus every process's RNG states), then rank 0 writes `trainer_state.json` (step,
+data position, fingerprint) last, fsyncs, and publishes it with one rename to `step-N/` and
+an atomic replace of the `latest` pointer. A crash at any moment leaves either the old
+checkpoint or the new one complete, never a half-written one under a published name
+(rename(2) is atomic within a file system; POSIX.1-2017, rename). Requires the output
+directory on a file system all ranks share (as DeepSpeed's own checkpoints do).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from memkit.errors import MemkitError
+
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+PREFIX = "step-"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointManager:
+    """Save/find/load checkpoints under `root` (output_dir/checkpoints)."""
+
+    def __init__(self, root: Path, accelerator, *, keep: int = 2) -> None:
+        self.root = Path(root)
+        self.accelerator = accelerator
+        self.keep = keep
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"{PREFIX}{step:08d}"
+
+    def save(self, step: int, state: dict, *, crash_before_publish: bool = False) -> Path:
+        """Collective: every rank calls it at the same step. Returns the published folder."""
+        acc = self.accelerator
+        final = self.path_for(step)
+        tmp = self.root / f".tmp-{final.name}"
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crash during an earlier save
+                shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if crash_before_publish:  # testing aid: die like a SIGKILL mid-write
+            os._exit(9)
+        if acc.is_main_process:
+            _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+            for dirpath, _, filenames in os.walk(tmp):
+                for name in filenames:
+                    _fsync_path(Path(dirpath) / name)
+                _fsync_path(Path(dirpath))
+            if final.exists():  # the same step saved before (e.g. a resumed run re-saving)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_path(self.root)
+            _write_atomic(self.root / LATEST, final.name + "\n")
+            self._prune()
+        acc.wait_for_everyone()
+        return final
+
+    def complete(self) -> list[Path]:
+        """Published checkpoints (with their state file), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob(f"{PREFIX}*") if (p / STATE_FILE).is_file()]
+        return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            candidate = self.root / pointer.read_text().strip()
+            if (candidate / STATE_FILE).is_file():
+                return candidate
+        done = self.complete()
+        return done[-1] if done else None
+
+    def load(self, path: Path) -> dict:
+        """Collective: restore model, optimizer, loss scaler, RNG; return trainer_state.json."""
+        state_file = Path(path) / STATE_FILE
+        if not state_file.is_file():
+            raise MemkitError(f"--resume {path}: not a complete memkit checkpoint (no {STATE_FILE})")
+        state = json.loads(state_file.read_text())
+        if state.get("world_size") != self.accelerator.num_processes:
+            raise MemkitError(f"--resume {path} was written by {state.get('world_size')} processes; this "
+                              f"run has {self.accelerator.num_processes}; ZeRO partitions need the same count")
+        self.accelerator.load_state(str(path))
+        return state
+
+    def _prune(self) -> None:
+        for old in self.complete()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_resume(resume: str | None, manager: CheckpointManager) -> Path | None:
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = manager.latest()
+        return found  # nothing yet: start from scratch (a requeued job's first run)
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise MemkitError(f"--resume {resume}: no complete checkpoint there (no {STATE_FILE}); pass a "
+                          f"{PREFIX}N folder under {manager.root} or --resume latest")
+    return path
+
+
+# ---- the final model --------------------------------------------------------------------------
+
+def gathered_state_dict(accelerator, model) -> dict | None:
+    """Full state dict on the main process (None elsewhere); collective under ZeRO-3.
+
+    ZeRO-3 with stage3_gather_16bit_weights_on_model_save: Accelerate's get_state_dict (the
+    engine's consolidated 16-bit state dict). Without it, each parameter is gathered in turn
+    with deepspeed.zero.GatheredParameters, so peak extra memory is one parameter.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and \
+            accelerator.state.deepspeed_plugin.zero_stage == 3 and \
+            not model.zero_gather_16bit_weights_on_model_save():
+        import deepspeed
+
+        module = model.module
+        out = {}
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if accelerator.is_main_process:
+                    out[name] = param.detach().cpu().clone()
+        if accelerator.is_main_process:
+            params = dict(module.named_parameters())
+            for name, tensor in module.state_dict().items():
+                if name not in params and name not in out:
+                    out[name] = tensor.detach().cpu().clone()
+            return out
+        return None
+    state = accelerator.get_state_dict(model)
+    return state if accelerator.is_main_process else None
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def merge_lora_state_dict(state: dict, *, scaling: float) -> dict:
+    """PEFT LoRA state dict -> plain model state dict with W + (B @ A) * scaling merged in
+    (Hu et al. 2021, Sec. 4.1, Eq. 3; peft: tuners/lora/layer.py, Linear.get_delta_weight)."""
+    import torch
+
+    out = {}
+    for key, tensor in state.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if ".base_layer." in name:
+            module = key.split(".base_layer.")[0]
+            leaf = name.split(".base_layer.")[1]
+            name = name.replace(".base_layer.", ".")
+            if leaf == "weight":
+                a = [k for k in state if k.startswith(module + ".lora_A.") and k.endswith(".weight")]
+                b = [k for k in state if k.startswith(module + ".lora_B.") and k.endswith(".weight")]
+                if a and b:
+                    delta = (state[b[0]].float() @ state[a[0]].float()) * scaling
+                    tensor = (tensor.float() + delta).to(tensor.dtype)
+        out[name] = tensor
+    return out
+
+
+def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None) -> None:
+    """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective."""
+    state = gathered_state_dict(accelerator, model)
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    if lora_scaling is not None:  # a PeftModel: save the merged weights under the base model
+        state = merge_lora_state_dict(state, scaling=lora_scaling)
+        unwrapped = unwrapped.get_base_model()
+    folder.mkdir(parents=True, exist_ok=True)
+    unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    accelerator.wait_for_everyone()

@@ -1,0 +1,240 @@
+"""What a run is told: the TrainingPlan (from plan.json or flags, reconciled with the DeepSpeed
+file that actually runs) and the RunConfig (everything that is not a memory knob).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from memkit.errors import MemkitError
+from memkit.plan import TrainingPlan
+
+PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_batch_size", "grad_accum",
+              "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
+"""Plan knobs the runner also takes as flags (runs without a plan.json)."""
+DEEPSPEED_KNOBS = ("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
+                   "grad_accum", "gradient_clipping")
+"""Plan knobs the DeepSpeed file decides; plan and file must agree on each."""
+SCALE_LR = ("none", "linear", "sqrt")
+LR_DECAYS = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """Everything about a run that is not a memory knob."""
+
+    model: str
+    data: str
+    output_dir: Path
+    max_steps: int
+    lr: float = 2e-5
+    """Peak learning rate for the plan's global batch (after --scale-lr)."""
+    base_lr: float = 2e-5
+    """The LR the user asked for, before scaling."""
+    lr_scaling_note: str = ""
+    warmup_steps: int = 0
+    lr_decay: str = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    seed: int = 0
+    shuffle: bool = True
+    save_every: int = 0
+    """Checkpoint every N optimizer steps (0: only on a signal)."""
+    keep_checkpoints: int = 2
+    resume: str | None = None
+    """None, 'latest' (newest complete checkpoint under output_dir/checkpoints) or a path."""
+    save_final: bool = True
+    measure: str = "auto"
+    """'auto': CUDA counters on GPU, live-tensor tracking on CPU; 'off'."""
+    progress: bool = True
+    dist_timeout_s: int = 1800
+    report_json: Path | None = None
+    debug_signal_at_step: int | None = None
+    """Testing aid: every rank sends itself SIGTERM after this step (a preemption)."""
+    debug_crash_in_save_at_step: int | None = None
+    """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
+
+    def validate(self) -> "RunConfig":
+        if self.max_steps < 1:
+            raise MemkitError(f"--max-steps {self.max_steps} must be >= 1")
+        if not self.lr > 0:
+            raise MemkitError(f"--lr {self.lr} must be > 0")
+        if self.warmup_steps < 0 or self.save_every < 0:
+            raise MemkitError("--warmup-steps and --save-every must be >= 0")
+        if self.lr_decay not in LR_DECAYS:
+            raise MemkitError(f"--lr-decay {self.lr_decay!r} is not one of {', '.join(LR_DECAYS)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise MemkitError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
+        if self.keep_checkpoints < 1:
+            raise MemkitError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
+        return self
+
+
+def scaled_lr(lr: float, *, rule: str, global_batch_size: int, ref_batch_size: int | None) -> tuple[float, str]:
+    """(lr, note) with the LR scaled from the reference batch to the plan's global batch.
+
+    linear: Goyal et al. 2017, "Accurate, Large Minibatch SGD", Sec. 2.1 (lr x k for k x batch).
+    sqrt: Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"
+    (Adam: lr x sqrt(k)); Krizhevsky 2014, "One weird trick", Sec. 5.
+    """
+    if rule not in SCALE_LR:
+        raise MemkitError(f"--scale-lr {rule!r} is not one of {', '.join(SCALE_LR)}")
+    if rule == "none":
+        return lr, ""
+    if not ref_batch_size or ref_batch_size < 1:
+        raise MemkitError(f"--scale-lr {rule} needs --ref-batch-size (the global batch, in sequences, "
+                          f"that --lr {lr:g} was tuned for)")
+    ratio = global_batch_size / ref_batch_size
+    factor = ratio if rule == "linear" else math.sqrt(ratio)
+    new_lr = lr * factor
+    shown = f"{global_batch_size} / {ref_batch_size}" if rule == "linear" else f"sqrt({global_batch_size} / {ref_batch_size})"
+    return new_lr, f"LR scaled {rule}: {lr:g} x {shown} = {new_lr:.6g}"
+
+
+def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, decay: str,
+          min_lr_ratio: float) -> float:
+    """LR for optimizer step `step` (0-based): linear warm-up (Goyal et al. 2017, Sec. 2.2), then
+    cosine (Loshchilov & Hutter 2017, SGDR, Eq. 5, one cycle without restart) or linear decay
+    to min_lr_ratio * peak at the last step."""
+    if warmup_steps and step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    if decay == "constant":
+        return peak_lr
+    span = max(1, max_steps - 1 - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+    floor = min_lr_ratio * peak_lr
+    if decay == "linear":
+        return peak_lr - (peak_lr - floor) * progress
+    return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
+    """(plan, whole document) from a plan.json written by `memkit suggest --out`."""
+    path = Path(path)
+    if not path.is_file():
+        raise MemkitError(f"--plan {path}: no such file; `memkit suggest --out DIR` writes DIR/plan.json")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MemkitError(f"--plan {path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
+        raise MemkitError(f"--plan {path} has no 'plan' object; pass the plan.json that memkit suggest wrote")
+    return TrainingPlan.from_dict(doc["plan"]), doc
+
+
+def plan_model_name(doc: dict) -> str | None:
+    model = doc.get("model")
+    if isinstance(model, str):
+        return model
+    if isinstance(model, dict):
+        return model.get("name") or model.get("model")
+    return None
+
+
+def knobs_from_deepspeed(ds_config: dict) -> dict:
+    """The plan knobs a DeepSpeed config decides ('auto' values left out: the plan fills them)."""
+    zero = ds_config.get("zero_optimization") or {}
+    out: dict = {"zero_stage": int(zero.get("stage", 0)),
+                 "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") or "none",
+                 "offload_params": (zero.get("offload_param") or {}).get("device", "none") or "none"}
+    if (ds_config.get("fp16") or {}).get("enabled") is True:
+        out["precision"] = "fp16"
+    elif (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") is True:
+        out["precision"] = "bf16"
+    else:
+        out["precision"] = "fp32"
+    for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                      ("gradient_accumulation_steps", "grad_accum"), ("gradient_clipping", "gradient_clipping")):
+        value = ds_config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[knob] = value
+    return out
+
+
+def _same(knob: str, plan_value, file_value) -> bool:
+    if knob == "precision":
+        return plan_value == file_value or (plan_value == "bf16-pure" and file_value == "bf16")
+    if knob == "gradient_clipping":
+        return float(plan_value) == float(file_value)
+    return plan_value == file_value
+
+
+def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | None, world_size: int,
+                 distributed_type: str, config_file_hint: str = "the DeepSpeed file") -> TrainingPlan:
+    """The plan this run executes, with every source agreeing.
+
+    plan.json and flags: a flag that contradicts the plan is an error (the plan is what was
+    estimated). The DeepSpeed file is what DeepSpeed runs, so its knobs must match the plan; without
+    a plan.json they are taken from it. The data-parallel degree is the launched world size.
+    """
+    flags = {k: v for k, v in flags.items() if v is not None}
+    unknown = set(flags) - set(PLAN_FLAGS)
+    if unknown:
+        raise ValueError(f"not plan flags: {sorted(unknown)}")
+    if "lora_targets" in flags:
+        flags["lora_targets"] = tuple(flags["lora_targets"])
+    if plan is not None:
+        for knob, value in flags.items():
+            if not _same(knob, getattr(plan, knob), value):
+                raise MemkitError(f"--{knob.replace('_', '-')} {value} contradicts plan.json "
+                                  f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+        result = plan
+    else:
+        result = TrainingPlan(**flags)
+    if ds_config is not None:
+        file_knobs = knobs_from_deepspeed(ds_config)
+        mismatched = [k for k, v in file_knobs.items() if not _same(k, getattr(result, k), v)]
+        if plan is None:
+            pinned = [k for k in mismatched if k in flags]
+            if pinned:
+                k = pinned[0]
+                raise MemkitError(f"--{k.replace('_', '-')} {flags[k]} contradicts {config_file_hint} "
+                                  f"({k}={file_knobs[k]}); drop the flag or edit the file")
+            result = result.with_(**{k: file_knobs[k] for k in mismatched}, engine="deepspeed")
+        elif mismatched:
+            detail = ", ".join(f"{k}: plan {getattr(result, k)} vs file {file_knobs[k]}" for k in mismatched)
+            raise MemkitError(f"plan.json and {config_file_hint} disagree ({detail}); launch with the "
+                              "accelerate.yaml written beside plan.json or regenerate both")
+    else:
+        if distributed_type == "FSDP":
+            raise MemkitError("the runner drives DeepSpeed or plain DDP/single-process accelerate configs, "
+                              "not FSDP; use a DeepSpeed config (memkit suggest writes one)")
+        if result.zero_stage or result.offload_optimizer != "none" or result.offload_params != "none":
+            raise MemkitError(f"the plan uses ZeRO-{result.zero_stage} (offload {result.offload_optimizer}/"
+                              f"{result.offload_params}) but this run is not under DeepSpeed "
+                              f"({distributed_type}); launch with `accelerate launch --config_file "
+                              "accelerate.yaml` (the DeepSpeed one written beside plan.json)")
+        if plan is None:
+            result = result.with_(engine="torch")
+    if result.tp > 1 or result.pp > 1:
+        raise MemkitError(f"the runner trains data-parallel only; plan has tp={result.tp} pp={result.pp} "
+                          "(tensor/pipeline splits are issue #5)")
+    if plan is not None and plan.dp != world_size:
+        raise MemkitError(f"plan.json expects {plan.dp} data-parallel processes but {world_size} were "
+                          f"launched; use num_processes: {plan.dp} (accelerate launch --num_processes "
+                          f"{plan.dp}) or make a plan for {world_size} GPUs")
+    return result.with_(dp=world_size).validate()
+
+
+def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
+    """Replace 'auto' batch/clipping values in a user's DeepSpeed config with the plan's; return keys."""
+    values = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
+              "gradient_accumulation_steps": plan.grad_accum,
+              "train_batch_size": plan.global_batch_size,
+              "gradient_clipping": plan.gradient_clipping}
+    filled = []
+    for key, value in values.items():
+        if ds_config.get(key) == "auto":
+            ds_config[key] = value
+            filled.append(key)
+    return filled
+
+
+def plan_fields() -> set[str]:
+    return {f.name for f in fields(TrainingPlan)}
