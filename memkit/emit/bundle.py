@@ -88,9 +88,12 @@ def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
     return written
 
 
-def launch_command(document: dict, *, out_dir: str) -> str:
+def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
+                   extra: str = "") -> str:
+    """The command that runs the bundle (launch/finetune.py: `--help` lists its flags)."""
     return (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
-            f"--plan {out_dir}/plan.json --model {document['model']}")
+            f"--plan {out_dir}/plan.json --model {document['model']} --data {data} "
+            f"--output-dir {out_dir}/run{extra}")
 
 
 def readme(document: dict, *, out_dir: str) -> str:
@@ -108,6 +111,13 @@ def readme(document: dict, *, out_dir: str) -> str:
         "",
         "```",
         launch_command(document, out_dir=out_dir),
+        "```",
+        "",
+        "`--data` takes a .jsonl (text, or prompt+completion), a .txt or a datasets folder. A 20-step "
+        "smoke test on synthetic tokens, which also reports the measured peak per GPU:",
+        "",
+        "```",
+        launch_command(document, out_dir=out_dir, data="synthetic", extra=" --max-steps 20"),
         "```",
         "",
     ]
@@ -132,9 +142,9 @@ def readme(document: dict, *, out_dir: str) -> str:
         lines.append(f"| LoRA | rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                      f"targets {', '.join(plan['lora_targets'])} |")
     lines += [
-        f"| predicted peak per GPU | {est['reserved_peak_bytes'] / GIB:.1f} GiB reserved "
-        f"({est['allocated_peak_bytes'] / GIB:.1f} GiB allocated) of {est['device_total_bytes'] / GIB:.1f} GiB, "
-        f"peak in {est['peak_phase']} |",
+        f"| predicted peak per GPU | {est['nvidia_smi_peak_bytes'] / GIB:.1f} GiB as nvidia-smi shows it "
+        f"({est['reserved_peak_bytes'] / GIB:.1f} reserved, {est['allocated_peak_bytes'] / GIB:.1f} allocated) "
+        f"of {est['device_total_bytes'] / GIB:.1f} GiB, in {est['peak_phase']} |",
         f"| host RAM per node | {est['host_bytes_per_node'] / GIB:.1f} GiB |",
         f"| predicted speed | {speed['tokens_per_s']:,.0f} tokens/s, {speed['step_time_s']:.2f} s/step, "
         f"MFU {speed['mfu']:.0%} |",

@@ -75,13 +75,17 @@ class _BlockReplay:
     """Replays one block on a tape. `tokens` = micro-batch x sequence length on this rank."""
 
     def __init__(self, spec: ModelSpec, plan: TrainingPlan, num: Numerics, tokens: int, seq_len: int,
-                 linears: tuple[Linear, ...], *, tp: int):
+                 linears: tuple[Linear, ...], *, tp: int, device: str):
         self.spec, self.plan, self.num = spec, plan, num
-        self.tokens, self.seq_len, self.tp = tokens, seq_len, tp
-        self.tape = Tape(autocast=num.autocast)
+        self.tokens, self.seq_len, self.tp, self.device = tokens, seq_len, tp, device
+        self.tape = Tape(autocast=num.autocast, device=device)
         self.roles = _linear_by_role(linears)
         self.lora_targets = set(plan.lora_targets) if plan.is_lora else set()
         self.train_weights = not plan.is_lora
+        # peft keeps adapter weights in fp32 (autocast_adapter_dtype=True, peft/tuners/lora/
+        # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
+        self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
+        self.uses_scores = False
 
     # -- pieces ---------------------------------------------------------------
     def norm(self, x: Sym) -> Sym:
@@ -100,7 +104,8 @@ class _BlockReplay:
         if lin.name in self.lora_targets:
             return self.tape.lora_linear(x, out, rank_numel=self.tokens * self.plan.lora_rank,
                                          dropout=self.plan.lora_dropout > 0,
-                                         weight_itemsize=self.num.weight_itemsize)
+                                         weight_itemsize=self.num.weight_itemsize,
+                                         adapter_itemsize=self.adapter_itemsize)
         return self.tape.linear(x, out, weight_grad=self.train_weights,
                                 weight_itemsize=self.num.weight_itemsize)
 
@@ -131,7 +136,12 @@ class _BlockReplay:
             if spec.position_embedding == "rope":
                 # q*cos + rotate_half(q)*sin: the muls save only cos/sin (no grad); output is new.
                 q, k = Sym(q.numel, q.itemsize), Sym(k.numel, k.itemsize)
-        if self.plan.attention == "eager":
+        # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
+        # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
+        # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
+        math_path = self.device == "cpu" and spec.attention_dropout > 0
+        if self.plan.attention == "eager" or math_path:
+            self.uses_scores = True
             if kv != heads:  # repeat_kv copies k and v to every query head (sdpa_attention.py)
                 k, v = Sym(t * heads * d, k.itemsize), Sym(t * heads * d, v.itemsize)
             out = tape.eager_attention(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
@@ -203,13 +213,13 @@ class _BlockReplay:
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
-                      encoder: bool = False) -> BlockActivations:
+                      encoder: bool = False, device: str = "cuda") -> BlockActivations:
     """Saved bytes of one block for one micro-batch on one rank."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
     tokens = b * plan.seq_len
     linears = spec.encoder_layer_linears if encoder else spec.layer_linears
-    replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp)
+    replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
     replay.run(x)
     saved = replay.tape.saved_bytes
@@ -220,6 +230,8 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     # During a block's backward: grad of the hidden stream in and out, plus the gradients of the
     # widest intermediate (the gated MLP's gate/up pair) -- aten's mul/silu backward outputs.
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
+    if replay.uses_scores:  # grads of the probabilities and of the scores (softmax backward)
+        transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
     if spec.is_moe:
         # Each token visits num_experts_per_tok experts: their MLP intermediates scale with k
         # (Fedus et al. 2021, Sec. 2.2); the router logits are small.
@@ -231,26 +243,27 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HeadActivations:
     saved_bytes: int
-    """Saved for backward from the final norm to the loss, plus the logits the model returns."""
+    """Saved for backward from the final norm to the loss (fp32 log-probs, lm_head input)."""
     forward_peak_bytes: int
-    """Extra bytes at the loss computation's forward peak (fp32 copy of the logits)."""
+    """Extra bytes at the loss computation's forward peak (the logits and their fp32 copy)."""
     backward_peak_bytes: int
     """Extra bytes while the loss backward runs (grads of the fp32 log-probs)."""
     embedding_bytes: int
     """Saved by the embedding (int64 ids) and the batch tensors (ids, labels, shifted labels)."""
 
 
-def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None
-                     ) -> HeadActivations:
+def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
+                     device: str = "cuda") -> HeadActivations:
     """Final norm, LM head and cross-entropy, as HF's ForCausalLMLoss runs them
     (transformers/loss/loss_utils.py: logits.float() then cross_entropy = log_softmax + nll_loss)."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
     tokens = b * plan.seq_len
-    tape = Tape(autocast=num.autocast)
+    tape = Tape(autocast=num.autocast, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
     if spec.kind != "encoder" or spec.model_type not in _POST_NORM:
-        replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, spec.layer_linears, tp=1)
+        replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, spec.layer_linears, tp=1,
+                              device=device)
         replay.tape = tape
         x = replay.norm(x)
     if spec.model_type in _POST_NORM:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
@@ -262,14 +275,16 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     logits_itemsize = num.autocast or num.weight_itemsize
     tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
     vocab_tokens = tokens * spec.vocab_size
-    logits = vocab_tokens * logits_itemsize  # kept alive by the returned ModelOutput
-    log_probs = vocab_tokens * 4              # log_softmax output, fp32 (saved)
+    logits = vocab_tokens * logits_itemsize
+    log_probs = vocab_tokens * 4              # log_softmax output, fp32, saved for backward
     fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4  # logits.float()
-    saved = tape.saved_bytes + logits + log_probs
-    # Forward: the fp32 copy lives while log_softmax writes its output.
-    forward_peak = fp32_copy
-    # Backward of nll_loss + log_softmax: grad wrt log-probs and grad wrt the fp32 logits coexist
-    # with the saved log-probs; then the cast back to the logits dtype.
+    saved = tape.saved_bytes + log_probs
+    # Forward: the logits, their fp32 copy and the log-probs coexist inside cross_entropy. The
+    # logits are not saved by anything; a loop that drops the model output before backward (HF
+    # Trainer, memkit's runner) frees them.
+    forward_peak = logits + fp32_copy
+    # Backward of nll_loss + log_softmax: grad wrt the log-probs and grad wrt the fp32 logits
+    # coexist with the saved log-probs (aten _log_softmax_backward_data allocates its output).
     backward_peak = 2 * vocab_tokens * 4
     embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
     return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,

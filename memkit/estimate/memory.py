@@ -157,8 +157,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     n_layers = stage_layers(model.total_layers, plan.pp)[stage]
 
     # -- activations of one micro-batch -------------------------------------------------------
-    blk = block_activations(model, plan)
-    head = head_activations(model, plan)
+    blk = block_activations(model, plan, device=device)
+    head = head_activations(model, plan, device=device)
     per_layer = blk.saved_bytes
     autocast_copy = head_copy = 0
     if num.autocast:
@@ -194,10 +194,16 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             "optimizer_states": st.optimizer_states}
     prefix = "deepspeed_" if plan.engine == "deepspeed" else ""
     base.update({prefix + name: value for name, value in st.buffers.items()})
-    fwd_grads = grads_end if (accum_full or not st.gradients_grow) else 0
+    if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
+        base.update({f"offloaded_{name}": value for name, value in st.host.items()})
+    in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
+    # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
+    grads_outside_backward = grads_end if not st.backward_buffers else 0
+    fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
     embed_saved = head.embedding_bytes * in_flight if first else 0
     head_saved = head.saved_bytes + head_copy if last else 0
-    amp_cache = autocast_copy * n_layers if (num.autocast and ckpt) else 0
+    # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
+    amp_cache = autocast_copy * n_layers if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan)
 
     phases: dict[str, dict[str, int]] = {}
@@ -218,12 +224,12 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             current = per_layer + autocast_copy + blk.input_bytes
         else:
             current = kept_per_layer
-        moments.append({**base, "gradients": grads_after(n_layers - 1 - j),
+        moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
                         "zero3_gathered_params": gather})
     phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
-    phases["optimizer_step"] = {**base, "gradients": grads_end,
+    phases["optimizer_step"] = {**base, **in_backward, "gradients": grads_end,
                                 "optimizer_step_temporaries": st.step_transient}
     phases["checkpoint_save"] = {**base, "zero3_gathered_params":
                                  rp.largest_module * (4 if plan.precision == "fp32" else 2)

@@ -77,6 +77,9 @@ class States:
     optimizer_states: int = 0
     buffers: dict[str, int] = field(default_factory=dict)
     """Engine buffers alive through forward/backward/step (ZeRO buckets, gathered params)."""
+    backward_buffers: dict[str, int] = field(default_factory=dict)
+    """Buffers that exist only from the first gradient reduction until the step releases them
+    (ZeRO-2's ipg bucket and gradient partition: stage_1_and_2.py _release_ipg_buffers)."""
     step_transient: int = 0
     """Extra bytes during the optimizer step (fp32 gradient copies, foreach temporaries)."""
     gather_transient: int = 0
@@ -124,6 +127,7 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
             st.host["optimizer_states"] = optim
             st.host["fp32_gradients"] = fp32_grad
             st.host["bit16_param_buffer"] = _div(psi_t, n) * wb
+            st.host["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_cpu_offload
             st.buffers["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_gpu_offload
         else:
             st.master_weights = master
@@ -133,7 +137,7 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
         ipg = min(plan.reduce_bucket_size, max(psi_t, 1)) * grad_b * (2 if plan.overlap_comm else 1)
         if zero == 2:
             st.gradients_grow = False
-            st.buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
+            st.backward_buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
             st.gradients = 0 if plan.offload_optimizer == "cpu" else _div(psi_t, n) * grad_b
         else:
             st.gradients = psi_t * grad_b  # stage 1 keeps whole gradients until the step
@@ -200,20 +204,18 @@ def _torch_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: st
 
 
 def _adam_temp(plan: TrainingPlan, numel: int, largest: int, device: str) -> int:
-    """AdamW step temporaries. DeepSpeed on CUDA builds the optimizer from the config's optimizer
-    block: FusedAdam (multi_tensor_apply, in place: no temporaries) or DeepSpeedCPUAdam under
-    offload. Plain PyTorch on CUDA takes torch/optim/adamw.py's foreach path:
-    `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`, one temporary as large as all `numel`
-    parameters. On CPU (the test runs) torch AdamW takes the per-tensor path:
-    `exp_avg_sq.sqrt() / bias_correction2_sqrt`, two temporaries of the largest tensor at once."""
+    """AdamW step temporaries. PyTorch's AdamW on CUDA takes the foreach path
+    (torch/optim/adamw.py, _multi_tensor_adamw): `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`
+    is one temporary as large as all `numel` parameters; memkit's CPU measurements force
+    foreach=True to run the same path. DeepSpeed on CUDA builds the optimizer from the config's
+    optimizer block instead: FusedAdam (multi_tensor_apply, in place) or DeepSpeedCPUAdam under
+    offload -- no temporaries."""
+    del largest
     if plan.optimizer != "adamw":
         return 0
-    state_b = 2 if plan.precision == "bf16-pure" else 4
-    if device == "cpu":
-        return 2 * min(largest, numel) * state_b
-    if plan.engine == "deepspeed":
+    if plan.engine == "deepspeed" and device == "cuda":
         return 0
-    return numel * state_b
+    return numel * (2 if plan.precision == "bf16-pure" else 4)
 
 
 def _div(numel: int, n: int) -> int:

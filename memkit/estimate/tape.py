@@ -39,6 +39,7 @@ class Tape:
     """Records saved tensors of one forward region. `autocast`: low dtype bytes (2) or None."""
 
     autocast: int | None = None
+    device: str = "cuda"
     saved: dict[int, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
     label: str = "other"
@@ -78,13 +79,15 @@ class Tape:
         return Sym(out_numel, out_size, weight_grad or x.requires_grad)
 
     def lora_linear(self, x: Sym, out_numel: int, *, rank_numel: int, dropout: bool,
-                    weight_itemsize: int) -> Sym:
-        """peft LoraLayer.forward: base(x) + lora_B(lora_A(dropout(x))) * scaling (peft/tuners/lora/layer.py)."""
+                    weight_itemsize: int, adapter_itemsize: int) -> Sym:
+        """peft LoraLayer.forward (peft/tuners/lora/layer.py): base(x) + lora_B(lora_A(dropout(x)))
+        * scaling, with x cast to the adapter's dtype first, the sum cast back to the base's."""
         base = self.linear(x, out_numel, weight_grad=False, weight_itemsize=weight_itemsize)
-        xd = self.dropout(x) if dropout else x
-        a = self.linear(xd, rank_numel, weight_grad=True, weight_itemsize=weight_itemsize)
-        b = self.linear(a, out_numel, weight_grad=True, weight_itemsize=weight_itemsize)
-        return self.add(base, b)
+        xa = x if self.autocast else self.cast(x, adapter_itemsize)
+        xd = self.dropout(xa) if dropout else xa
+        a = self.linear(xd, rank_numel, weight_grad=True, weight_itemsize=adapter_itemsize)
+        b = self.linear(a, out_numel, weight_grad=True, weight_itemsize=adapter_itemsize)
+        return self.cast(self.add(base, b), base.itemsize)
 
     def add(self, a: Sym, b: Sym) -> Sym:
         return Sym(max(a.numel, b.numel), max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
@@ -119,8 +122,10 @@ class Tape:
         return Sym(x.numel, xin.itemsize, x.requires_grad)
 
     def dropout(self, x: Sym) -> Sym:
-        """Training-mode dropout saves a bool mask (native_dropout in aten)."""
-        mask = Sym(x.numel, 1, False)
+        """Training-mode dropout. CUDA runs aten native_dropout, which saves a bool mask; on CPU
+        aten/src/ATen/native/Dropout.cpp (_dropout_impl) multiplies by a noise tensor of the
+        input's dtype, and that mul saves the noise."""
+        mask = Sym(x.numel, 1 if self.device == "cuda" else x.itemsize, False)
         if x.requires_grad:
             self.save(mask)
         return Sym(x.numel, x.itemsize, x.requires_grad)

@@ -55,6 +55,19 @@ GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 20,
 read and written, grad read, 16-bit copy written); the step is memory-bound (roofline, Williams
 et al. 2009), so time = bytes / HBM bandwidth."""
 
+HOST_OVERHEAD_S_PER_LAYER = 0.5e-3
+"""CPU-side time per transformer block per micro-step (forward + backward): Python module calls
+and ~100 kernel launches at ~5 us each. Invisible for big micro-batches, dominant for tiny ones;
+it is what makes many small micro-steps slower than few large ones at equal FLOPs."""
+
+ZERO3_OVERHEAD_S_PER_LAYER = 1.0e-3
+"""Extra per block per micro-step under ZeRO-3: DeepSpeed's pre/post forward and backward hooks
+fetch, release and track partitioned parameters in Python and wait on the fetches
+(deepspeed/runtime/zero/parameter_offload.py, partitioned_param_coordinator.py). Not hidden."""
+
+STEP_OVERHEAD_S = 10e-3
+"""Fixed per optimizer step: gradient-norm clipping, overflow checks, scheduler, logging."""
+
 GB = 1e9
 
 
@@ -71,7 +84,7 @@ class StepTimeEstimate:
     """Fraction of peak the matmuls are assumed to reach at this micro-batch."""
     components_s: dict[str, float] = field(default_factory=dict)
     """Seconds per optimizer step by term (compute, recompute, pipeline_bubble, dp_comm, tp_comm,
-    pp_comm, offload_transfer, optimizer_step)."""
+    pp_comm, offload_transfer, optimizer_step, host_overhead)."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
@@ -236,7 +249,12 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
         # Huang et al. 2019, GPipe Sec. 2.3), i.e. the busy time stretches by (m+p-1)/m.
         bubble_factor = (m + plan.pp - 1) / m
 
-    micro_total = t_micro_compute + exposed_micro + t_tp_micro + t_pp_micro
+    # Kernel launches overlap the GPU's work (CUDA is asynchronous), so only the excess shows;
+    # ZeRO-3's hooks synchronise on parameter fetches, so theirs adds.
+    layers_here = model.total_layers / plan.pp
+    t_host_micro = layers_here * HOST_OVERHEAD_S_PER_LAYER
+    t_zero3_micro = layers_here * ZERO3_OVERHEAD_S_PER_LAYER if plan.zero_stage == 3 else 0.0
+    micro_total = max(t_micro_compute, t_host_micro) + t_zero3_micro + exposed_micro + t_tp_micro + t_pp_micro
     pipeline_time = micro_total * m * bubble_factor
 
     # ---- optimizer step on the GPU (memory-bound) ------------------------------------------
@@ -244,7 +262,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
     if plan.offload_optimizer == "none":
         t_opt = partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer] / (gpu.hbm_gbps * GB)
 
-    step = pipeline_time + per_step_exposed + per_step_offload + t_opt
+    step = pipeline_time + per_step_exposed + per_step_offload + t_opt + STEP_OVERHEAD_S
     tokens_step = plan.tokens_per_step
     model_flops_step = model_fpt * tokens_step
     peak_all = peak * num_gpus
@@ -257,6 +275,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
         "pp_comm": t_pp_micro * m,
         "offload_transfer": offload_micro_exposed * m + per_step_offload,
         "optimizer_step": t_opt,
+        "host_overhead": (max(0.0, t_host_micro - t_micro_compute) + t_zero3_micro) * m + STEP_OVERHEAD_S,
     }
     return StepTimeEstimate(
         step_time_s=step,

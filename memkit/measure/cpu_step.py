@@ -53,7 +53,7 @@ def build_model(model_config: dict, plan: TrainingPlan, *, seed: int = 0,
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=0.0,
+        lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
                           target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     return model

@@ -53,7 +53,8 @@ class Rejection:
 
     plan: TrainingPlan
     reason: str
-    reserved_peak_bytes: int
+    device_peak_bytes: int
+    """nvidia-smi peak per GPU (0 when pruned, see `exact`)."""
     host_bytes_per_node: int
     overshoot: float
     """Worst of need/limit over device memory, host RAM and NVMe (> 1 means it does not fit)."""
@@ -61,6 +62,8 @@ class Rejection:
     """The step time this structure could have reached if memory allowed (the search bound)."""
     needs: tuple[str, ...] = ()
     """What would make it fit (filled for the nearest misses when nothing fits)."""
+    exact: bool = True
+    """False when pruned by a sibling's verdict (its bytes are then unknown, 0)."""
 
     @property
     def label(self) -> str:
@@ -87,6 +90,22 @@ class NoPlanFits(NoFeasiblePlan):
         self.misses = misses
 
 
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    estimate: MemoryEstimate | None
+    reason: str
+    """Why it does not fit ('' when it fits)."""
+    overshoot: float
+    device_fails: bool
+    host_fails: bool
+
+
+def device_peak_bytes(est: MemoryEstimate) -> int:
+    """What the budget is compared with: the nvidia-smi peak (reserved pool + CUDA context), the
+    whole of what the process takes from the device."""
+    return est.nvidia_smi_peak_bytes
+
+
 class _Evaluator:
     """Memoised memory estimates and the feasibility verdict for one request."""
 
@@ -95,10 +114,9 @@ class _Evaluator:
         self.estimator = estimator
         self.budget = request.budget_bytes
         self.num_calls = 0
-        self._cache: dict[TrainingPlan, tuple[MemoryEstimate | None, str, float]] = {}
+        self._cache: dict[TrainingPlan, _Verdict] = {}
 
-    def check(self, plan: TrainingPlan) -> tuple[MemoryEstimate | None, str, float]:
-        """(estimate, reason it does not fit or '', overshoot ratio)."""
+    def check(self, plan: TrainingPlan) -> _Verdict:
         hit = self._cache.get(plan)
         if hit is not None:
             return hit
@@ -107,18 +125,19 @@ class _Evaluator:
         try:
             est = self.estimator(self.request.model, plan, hw)
         except MemkitError as exc:  # the estimator refuses a combination: a rejection, not a crash
-            out = (None, str(exc), float("inf"))
+            out = _Verdict(None, str(exc), float("inf"), True, True)
             self._cache[plan] = out
             return out
-        ratios = [(est.reserved_peak_bytes / self.budget,
-                   f"{est.reserved_peak_bytes / GIB:.1f} GiB > {self.budget / GIB:.1f} GiB budget"),
-                  (est.host_bytes_per_node / hw.host_ram_bytes_per_node,
-                   f"host RAM {est.host_bytes_per_node / GIB:.1f} GiB > "
-                   f"{hw.host_ram_bytes_per_node / GIB:.1f} GiB per node"),
-                  (est.nvme_bytes_per_node / hw.nvme_bytes_per_node if hw.nvme_bytes_per_node else 0.0,
-                   f"NVMe {est.nvme_bytes_per_node / GIB:.1f} GiB > {hw.nvme_bytes_per_node / GIB:.1f} GiB per node")]
+        device = device_peak_bytes(est) / self.budget
+        host = est.host_bytes_per_node / hw.host_ram_bytes_per_node
+        nvme = est.nvme_bytes_per_node / hw.nvme_bytes_per_node if hw.nvme_bytes_per_node else 0.0
+        ratios = [(device, f"{device_peak_bytes(est) / GIB:.1f} GiB > {self.budget / GIB:.1f} GiB budget"),
+                  (host, f"host RAM {est.host_bytes_per_node / GIB:.1f} GiB > "
+                         f"{hw.host_ram_bytes_per_node / GIB:.1f} GiB per node"),
+                  (nvme, f"NVMe {est.nvme_bytes_per_node / GIB:.1f} GiB > "
+                         f"{hw.nvme_bytes_per_node / GIB:.1f} GiB per node")]
         worst, why = max(ratios, key=lambda r: r[0])
-        out = (est, why if worst > 1.0 else "", worst)
+        out = _Verdict(est, why if worst > 1.0 else "", worst, device > 1.0, host > 1.0 or nvme > 1.0)
         self._cache[plan] = out
         return out
 
@@ -126,7 +145,8 @@ class _Evaluator:
         return estimate_step_time(self.request.model, plan, self.request.hardware)
 
 
-def search(request: Request, *, estimator=None, num_alternatives: int = 4) -> SearchResult:
+def search(request: Request, *, estimator=None, num_alternatives: int = 4,
+           num_rejections: int = 6) -> SearchResult:
     """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input."""
     if estimator is None:
         from memkit.estimate.memory import estimate_memory as estimator
@@ -147,7 +167,7 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4) -> Se
         if request.objective == "memory":
             found, rejected = _search_memory(ev, structs, tier)
         else:
-            found, rejected = _search_throughput(ev, structs, tier, keep=2 * (num_alternatives + 1))
+            found, rejected = _search_throughput(ev, structs, tier, keep=num_alternatives + 2)
         all_rejected += rejected
         if found:
             if i > 0:
@@ -155,14 +175,84 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4) -> Se
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
             chosen = found[0]
             alternatives = _distinct(found[1:], chosen, num_alternatives)
-            if request.objective == "throughput":
-                better = [r for r in rejected if r.step_time_s < chosen.speed.step_time_s]
-            else:
-                better = [r for r in rejected if r.reserved_peak_bytes < chosen.memory.reserved_peak_bytes]
+            # Rejected plans that would have been faster: the "why not X?" the CLI answers.
+            better = [r for r in rejected if r.step_time_s < chosen.speed.step_time_s]
+            better = _distinct_rejections(ev, better, num_rejections)
             return SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
                                 rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
                                 num_memory_estimates=ev.num_calls)
     raise _no_fit(request, ev, all_rejected)
+
+
+class _Pruner:
+    """Skips memory estimates whose verdict is already known. Two monotonicity facts, checked
+    against the estimator by tests/unit/test_planner_assumptions.py:
+      (a) at a fixed ZeRO stage, precision, optimizer and layout, device memory does not grow
+          with more offload, with checkpointing, or with overlap_comm off; it grows with the
+          micro-batch (hence the binary search);
+      (b) host RAM does not depend on checkpointing, overlap_comm or the micro-batch, and does not
+          shrink with more CPU offload (offloading moves bytes to the host).
+    So if the leanest plan of a (ZeRO stage, precision, optimizer, layout) group misses the
+    device budget, the whole group does (a); if one plan misses host RAM, so do its
+    checkpointing / overlap / micro-batch siblings and its more-offloaded (CPU) siblings (b). ZeRO stages are not ordered: ZeRO-3's
+    prefetch buffers can exceed ZeRO-2's full 16-bit weights on small models."""
+
+    def __init__(self, ev: _Evaluator, structs: list[TrainingPlan]):
+        self.ev = ev
+        self.leanest: dict[tuple, TrainingPlan] = {}
+        for s in structs:
+            key = _group_key(s)
+            if key not in self.leanest or _lean_rank(s) > _lean_rank(self.leanest[key]):
+                self.leanest[key] = s
+        self.device_dead: dict[tuple, Rejection] = {}
+        self.host_dead: dict[tuple, Rejection] = {}
+
+    def known_miss(self, plan: TrainingPlan, bound: float) -> Rejection | None:
+        group = _group_key(plan)
+        if group not in self.device_dead:
+            lean = self.leanest[group]
+            v = self.ev.check(lean)
+            self.device_dead[group] = (_rejection(lean, v, bound) if v.device_fails else None)
+        dead = self.device_dead[group]
+        if dead is not None and plan != dead.plan:
+            return Rejection(plan=plan, reason=f"needs more than {dead.label}, which {dead.reason}",
+                             device_peak_bytes=0, host_bytes_per_node=0, overshoot=dead.overshoot,
+                             step_time_s=bound, exact=False)
+        if dead is not None:
+            return replace(dead, step_time_s=bound)
+        host = self.host_dead.get(_host_key(plan))
+        if host is not None and _cpu_offload_level(plan) >= _cpu_offload_level(host.plan):
+            return Rejection(plan=plan, reason=f"{host.reason} (as {host.label})", device_peak_bytes=0,
+                             host_bytes_per_node=host.host_bytes_per_node, overshoot=host.overshoot,
+                             step_time_s=bound, exact=False)
+        return None
+
+    def record(self, plan: TrainingPlan, verdict: _Verdict, rejection: Rejection) -> None:
+        if verdict.host_fails and verdict.estimate is not None and _cpu_offload_level(plan) >= 0:
+            key = _host_key(plan)
+            known = self.host_dead.get(key)
+            if known is None or _cpu_offload_level(plan) < _cpu_offload_level(known.plan):
+                self.host_dead[key] = rejection
+
+
+def _group_key(plan: TrainingPlan) -> tuple:
+    return (plan.zero_stage, plan.precision, plan.optimizer, plan.tp, plan.pp, plan.dp)
+
+
+def _host_key(plan: TrainingPlan) -> tuple:
+    return (plan.zero_stage, plan.precision, plan.optimizer, plan.tp, plan.pp, plan.dp)
+
+
+def _cpu_offload_level(plan: TrainingPlan) -> int:
+    """0 none, 1 optimizer to CPU, 2 optimizer and params to CPU; -1 for NVMe (not ordered)."""
+    if "nvme" in (plan.offload_optimizer, plan.offload_params):
+        return -1
+    return (plan.offload_optimizer == "cpu") + (plan.offload_params == "cpu")
+
+
+def _lean_rank(plan: TrainingPlan) -> tuple:
+    offload = (plan.offload_optimizer != "none") + (plan.offload_params != "none")
+    return (offload, plan.checkpointing == "full", not plan.overlap_comm)
 
 
 def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
@@ -172,34 +262,37 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
         entries.append((min(times), index, s, micros, times))
     entries.sort(key=lambda e: (e[0], e[1]))
+    pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
     found_times: list[float] = []
     rejected: list[Rejection] = []
     for bound, _, s, micros, times in entries:
         if len(found) >= keep and bound >= found_times[keep - 1]:
             break
+        known = pruner.known_miss(s, bound)
+        if known is not None:
+            rejected.append(known)
+            continue
         first = with_micro(s, micros[0])
-        est, why, over = ev.check(first)
-        if why:
-            rejected.append(_rejection(first, est, why, over, bound))
+        v = ev.check(first)
+        if v.reason:
+            rej = _rejection(first, v, bound)
+            pruner.record(s, v, rej)
+            rejected.append(rej)
             continue
         lo, hi = 0, len(micros) - 1          # lo fits; find the largest index that fits
-        limit = ""
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            _, mid_why, _ = ev.check(with_micro(s, micros[mid]))
-            if mid_why:
+            if ev.check(with_micro(s, micros[mid])).reason:
                 hi = mid - 1
-                limit = f"micro {micros[mid]}: {mid_why}"
             else:
                 lo = mid
+        limit = ""
         if lo + 1 < len(micros):
-            _, nxt_why, _ = ev.check(with_micro(s, micros[lo + 1]))
-            limit = f"micro {micros[lo + 1]}: {nxt_why}"
+            limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
-        est, _, _ = ev.check(plan)
-        cand = Candidate(plan=plan, memory=est, speed=ev.speed(plan), tier=tier.name,
+        cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
         found.insert(pos, cand)
@@ -209,30 +302,60 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
 
 
 def _search_memory(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier):
+    pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
     rejected: list[Rejection] = []
     for s in structs:
-        est, why, over = ev.check(s)
         speed = ev.speed(s)
-        if why:
-            rejected.append(_rejection(s, est, why, over, speed.step_time_s))
+        known = pruner.known_miss(s, speed.step_time_s)
+        if known is not None:
+            rejected.append(known)
+            continue
+        v = ev.check(s)
+        if v.reason:
+            rej = _rejection(s, v, speed.step_time_s)
+            pruner.record(s, v, rej)
+            rejected.append(rej)
         else:
-            found.append(Candidate(plan=s, memory=est, speed=speed, tier=tier.name))
+            found.append(Candidate(plan=s, memory=v.estimate, speed=speed, tier=tier.name))
     grain = max(1, int(0.01 * ev.budget))
-    found.sort(key=lambda c: (c.memory.reserved_peak_bytes // grain, c.speed.step_time_s))
-    rejected.sort(key=lambda r: r.reserved_peak_bytes)
+    found.sort(key=lambda c: (device_peak_bytes(c.memory) // grain, c.speed.step_time_s))
+    rejected.sort(key=lambda r: (r.overshoot, r.step_time_s))
     return found, rejected
 
 
-def _rejection(plan, est, why, over, bound) -> Rejection:
-    return Rejection(plan=plan, reason=why, overshoot=over, step_time_s=bound,
-                     reserved_peak_bytes=est.reserved_peak_bytes if est else 0,
+def _rejection(plan: TrainingPlan, v: _Verdict, bound: float) -> Rejection:
+    est = v.estimate
+    return Rejection(plan=plan, reason=v.reason, overshoot=v.overshoot, step_time_s=bound,
+                     device_peak_bytes=device_peak_bytes(est) if est else 0,
                      host_bytes_per_node=est.host_bytes_per_node if est else 0)
+
+
+def _exact(ev: _Evaluator, r: Rejection) -> Rejection:
+    """The rejection with its own estimate (pruned ones carry a sibling's)."""
+    if r.exact:
+        return r
+    return _rejection(r.plan, ev.check(r.plan), r.step_time_s)
 
 
 def _shape_key(plan: TrainingPlan) -> tuple:
     return (plan.zero_stage, plan.offload_optimizer, plan.offload_params, plan.precision, plan.optimizer,
             plan.checkpointing, plan.tp, plan.pp)
+
+
+def _distinct_rejections(ev: _Evaluator, rejected: list[Rejection], limit: int) -> list[Rejection]:
+    """The first `limit` rejections with distinct shapes, each with its own exact estimate."""
+    seen = set()
+    out = []
+    for r in rejected:
+        key = _shape_key(r.plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(_exact(ev, r))
+        if len(out) == limit:
+            break
+    return out
 
 
 def _distinct(cands: list[Candidate], chosen: Candidate, limit: int) -> list[Candidate]:
@@ -253,7 +376,7 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
     hw = request.hardware
     misses: list[Rejection] = []
     seen = set()
-    for r in sorted(rejected, key=lambda r: (r.overshoot, r.step_time_s)):
+    for r in sorted((r for r in rejected if r.exact), key=lambda r: (r.overshoot, r.step_time_s)):
         key = _shape_key(r.plan)
         if key in seen or r.overshoot == float("inf"):
             continue
@@ -268,18 +391,21 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
         best = misses[0]
         what += f"; nearest: {best.label}: {best.reason}"
         if best.needs:
-            what += f"; it needs {' or '.join(best.needs)}"
+            what += f"; it needs {' and '.join(best.needs)}"
+    elif rejected:
+        what += f"; e.g. {rejected[0].label}: {rejected[0].reason}"
     return NoPlanFits(what, tuple(misses))
 
 
 def _needs(request: Request, ev: _Evaluator, miss: Rejection) -> tuple[str, ...]:
-    """What would make `miss` fit: a bigger GPU, more GPUs (ZeRO shards with dp), more host RAM."""
+    """What would make `miss` fit, all of it needed: device memory (a bigger GPU, or more GPUs
+    for ZeRO to shard over), host RAM."""
     hw = request.hardware
     needs = []
-    if miss.reserved_peak_bytes > ev.budget:
-        need_device = miss.reserved_peak_bytes / (1.0 - request.headroom)
-        needs.append(f"a GPU with >= {need_device / GIB:.1f} GiB")
-        if miss.plan.zero_stage >= 1 or miss.plan.dp > 1:
+    if miss.device_peak_bytes > ev.budget:
+        need_device = miss.device_peak_bytes / (1.0 - request.headroom)
+        options = [f"a GPU with >= {need_device / GIB:.1f} GiB"]
+        if miss.plan.zero_stage >= 1:
             for factor in (2, 4, 8, 16, 32, 64):
                 total = hw.num_gpus * factor
                 per_node = min(max(hw.num_gpus_per_node, 8), total)
@@ -289,11 +415,21 @@ def _needs(request: Request, ev: _Evaluator, miss: Rejection) -> tuple[str, ...]
                     est = ev.estimator(request.model, plan, bigger)
                 except MemkitError:
                     break
-                if est.reserved_peak_bytes <= ev.budget and est.host_bytes_per_node <= bigger.host_ram_bytes_per_node:
-                    needs.append(f"{total} x {hw.gpu.name} (micro-batch 1)")
+                if device_peak_bytes(est) <= ev.budget:
+                    options.append(f"{total} x {hw.gpu.name}")
                     break
+        if miss.plan.micro_batch_size == 1:  # the micro-batch cannot shrink; the sequence can
+            seq = miss.plan.seq_len // 2
+            while seq >= 128:
+                try:
+                    est = ev.estimator(request.model, miss.plan.with_(seq_len=seq), hw)
+                except MemkitError:
+                    break
+                if device_peak_bytes(est) <= ev.budget:
+                    options.append(f"--seq-len {seq}")
+                    break
+                seq //= 2
+        needs.append("(" + " or ".join(options) + ")" if len(options) > 1 else options[0])
     if miss.host_bytes_per_node > hw.host_ram_bytes_per_node:
         needs.append(f">= {miss.host_bytes_per_node / GIB:.0f} GiB host RAM per node (--host-ram)")
-    if miss.plan.micro_batch_size == 1 and miss.reserved_peak_bytes > ev.budget:
-        needs.append("a shorter --seq-len (micro-batch is already 1)")
     return tuple(needs)

@@ -23,8 +23,6 @@ from memkit.errors import MemkitError, did_you_mean
 from memkit.presets_dir import presets_dir
 from memkit.spec.model import Linear, ModelSpec
 
-_MISSING = object()
-
 
 # ---------------------------------------------------------------- the bundled catalog
 
@@ -95,8 +93,9 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         cached = _cached_hub_config(arg)
         if cached is not None:
             return spec_from_config(_read_json(cached), name=arg, hub_id=arg, config_path=str(cached))
-        raise MemkitError(f"{arg!r} is not a catalog model and its config.json is not in the local Hugging Face "
-                          f"cache ({_hub_cache_dir()}); memkit never downloads: run "
+        hub_ids = [e.hub_id for e in model_catalog().values()]
+        raise MemkitError(f"{arg!r} is not a catalog model{did_you_mean(arg, hub_ids)} and its config.json is not "
+                          f"in the local Hugging Face cache ({_hub_cache_dir()}); memkit never downloads: run "
                           f"`hf download {arg} config.json` first, or pass the path to a config.json")
     names = list(model_catalog())
     raise MemkitError(f"unknown model {arg!r}{did_you_mean(arg, names)}; `memkit models` lists the catalog; "
@@ -123,7 +122,7 @@ def _cached_hub_config(repo_id: str) -> Path | None:
 
     try:
         found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache_dir())
-    except Exception:  # an invalid repo id (HFValidationError) is simply not cached
+    except ValueError:  # HFValidationError: not a valid repo id, so not cached either
         return None
     return Path(found) if isinstance(found, str) else None
 
@@ -162,9 +161,6 @@ class _Cfg:
                 return self.data[key]
         return default
 
-    def has(self, key) -> bool:
-        return key in self.data
-
     def need(self, *groups) -> list[int]:
         """Positive ints for each key group (a str, or a tuple of alias spellings); one error lists all missing."""
         values, missing = [], []
@@ -181,7 +177,7 @@ class _Cfg:
             self.check_int(group if isinstance(group, str) else group[0], value)
         return values
 
-    def int(self, key: str, default: int, *aliases) -> int:
+    def pos_int(self, key: str, default: int, *aliases) -> int:
         value = self.get(key, *aliases, default=default)
         return self.check_int(key, value)
 
@@ -204,7 +200,7 @@ class _Cfg:
 
     def heads(self, n_heads: int, kv_key: str = "num_key_value_heads", kv_default=None) -> int:
         """KV heads: absent -> the class default (None means n_heads); null -> n_heads."""
-        raw = self.data.get(kv_key, kv_default) if kv_key in self.data else kv_default
+        raw = self.data[kv_key] if kv_key in self.data else kv_default
         n_kv = n_heads if raw is None else self.check_int(kv_key, raw)
         if n_heads % n_kv:
             raise MemkitError(f"{self.source}: num_attention_heads={n_heads} is not a multiple of "
@@ -302,7 +298,7 @@ def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=No
     return _common(
         c, architecture=architecture, kind="decoder", num_layers=n_layers, hidden_size=h,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
-        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048), hidden_act=hidden_act,
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 2048), hidden_act=hidden_act,
         gated_mlp=True, norm_type="rmsnorm", position_embedding="rope",
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=0.0,
         num_experts=experts, num_experts_per_tok=top_k, tie_word_embeddings=tie, layer_linears=linears,
@@ -325,8 +321,8 @@ def _mistral(c):
 
 def _mixtral(c):
     # mixtral/modeling_mixtral.py: Mistral attention + MixtralSparseMoeBlock (router + fused 3-D experts).
-    experts = c.int("num_local_experts", 8, "num_experts")
-    top_k = c.int("num_experts_per_tok", 2)
+    experts = c.pos_int("num_local_experts", 8, "num_experts")
+    top_k = c.pos_int("num_experts_per_tok", 2)
     return _llama_like(c, architecture="MixtralForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
                        tie_default=False, kv_default=8, experts=experts, top_k=top_k,
                        extra={"router_aux_loss_coef": c.num("router_aux_loss_coef", 0.001)})
@@ -402,7 +398,7 @@ def _phi(c):
     return _common(
         c, architecture="PhiForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
-        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 2048),
         hidden_act=c.get("hidden_act", default="gelu_new"), gated_mlp=False, norm_type="layernorm",
         position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("resid_pdrop", 0.0), tie_word_embeddings=tie, parallel_attn_mlp=True,
@@ -414,8 +410,8 @@ def _gpt2(c):
     """gpt2/modeling_gpt2.py: learned positions, Conv1D (a transposed Linear) everywhere, tied LM head."""
     h, n_layers, n_heads, vocab = c.need(("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
                                          ("n_head", "num_attention_heads"), "vocab_size")
-    n_pos = c.int("n_positions", 1024, "max_position_embeddings")
-    inter = c.int("n_inner", 4 * h)
+    n_pos = c.pos_int("n_positions", 1024, "max_position_embeddings")
+    inter = c.pos_int("n_inner", 4 * h)
     linears = (_lin("c_attn", h, 3 * h, True, "qkv", "column"), _lin("c_proj", h, h, True, "o", "row"),
                _lin("c_fc", h, inter, True, "up", "column"), _lin("c_proj", inter, h, True, "down", "row"))
     norms = 2 * 2 * h
@@ -439,8 +435,8 @@ def _opt(c):
     """opt/modeling_opt.py: learned positions offset by 2, optional project_in/out when word_embed_proj_dim != H."""
     h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                 "ffn_dim", "vocab_size")
-    n_pos = c.int("max_position_embeddings", 2048)
-    proj = c.int("word_embed_proj_dim", h)
+    n_pos = c.pos_int("max_position_embeddings", 2048)
+    proj = c.pos_int("word_embed_proj_dim", h)
     bias = c.flag("enable_bias", True)
     ln = 2 * h if c.flag("layer_norm_elementwise_affine", True) else 0
     linears = _attention(h, n_heads, n_heads, h // n_heads, qkv_bias=bias, o_bias=bias,
@@ -471,7 +467,7 @@ def _bloom(c):
     return _common(
         c, architecture="BloomForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
         num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=4 * h,
-        vocab_size=vocab, max_position_embeddings=c.int("seq_length", 2048, "max_position_embeddings"),
+        vocab_size=vocab, max_position_embeddings=c.pos_int("seq_length", 2048, "max_position_embeddings"),
         hidden_act="bloom_gelu", gated_mlp=False, norm_type="layernorm", position_embedding="alibi",
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
         tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + 2 * h,
@@ -487,7 +483,7 @@ def _falcon(c):
     multi_query = c.flag("multi_query", True)
     parallel = c.flag("parallel_attn", True)
     bias = c.flag("bias", False)
-    inter = c.int("ffn_hidden_size", 4 * h)
+    inter = c.pos_int("ffn_hidden_size", 4 * h)
     if new_arch:  # FalconAttention: qkv_out_dim = (2 * num_kv_heads + num_heads) * head_dim
         n_kv = c.heads(n_heads, kv_key="num_kv_heads")
     else:
@@ -503,7 +499,7 @@ def _falcon(c):
     return _common(
         c, architecture="FalconForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
-        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 2048),
         hidden_act=c.get("activation", default="gelu"), gated_mlp=False, norm_type="layernorm",
         position_embedding="alibi" if alibi else "rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
@@ -523,7 +519,7 @@ def _gpt_neox(c):
     return _common(
         c, architecture="GPTNeoXForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
         num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
-        vocab_size=vocab, max_position_embeddings=c.int("max_position_embeddings", 2048),
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 2048),
         hidden_act=c.get("hidden_act", default="gelu"), gated_mlp=False, norm_type="layernorm",
         position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
@@ -543,8 +539,8 @@ def _bert_like(c, *, architecture):
     if c.flag("add_cross_attention", False) or c.flag("is_decoder", False):
         raise MemkitError(f"{c.source}: a {c.model_type} decoder (is_decoder/add_cross_attention) is not "
                           "supported; memkit estimates masked-LM training of the encoder")
-    n_pos = c.int("max_position_embeddings", 512)  # BertConfig / RobertaConfig defaults
-    n_types = c.int("type_vocab_size", 2)
+    n_pos = c.pos_int("max_position_embeddings", 512)  # BertConfig / RobertaConfig defaults
+    n_types = c.pos_int("type_vocab_size", 2)
     linears = _attention(h, n_heads, n_heads, h // n_heads, qkv_bias=True, o_bias=True,
                          names=("query", "key", "value", "dense")) + _mlp(h, inter, True, names=("dense", "dense"))
     tie = c.flag("tie_word_embeddings", True)
@@ -582,8 +578,8 @@ def _t5(c):
     """
     h, n_enc, n_heads, d_ff, vocab = c.need(("d_model", "hidden_size"), ("num_layers", "num_hidden_layers"),
                                             ("num_heads", "num_attention_heads"), "d_ff", "vocab_size")
-    hd = c.int("d_kv", 64, "head_dim")
-    n_dec = c.int("num_decoder_layers", n_enc)
+    hd = c.pos_int("d_kv", 64, "head_dim")
+    n_dec = c.pos_int("num_decoder_layers", n_enc)
     proj = c.get("feed_forward_proj", default="relu")
     gated = proj.startswith("gated-")
     act = proj.split("-")[-1]
@@ -594,14 +590,14 @@ def _t5(c):
     attn = _attention(h, n_heads, n_heads, hd, qkv_bias=False, o_bias=False, names=names)
     enc = attn + ff
     dec = attn + _attention(h, n_heads, n_heads, hd, qkv_bias=False, o_bias=False, names=names) + ff
-    buckets = c.int("relative_attention_num_buckets", 32)
+    buckets = c.pos_int("relative_attention_num_buckets", 32)
     tie = c.flag("tie_word_embeddings", True)
     dropout = c.num("dropout_rate", 0.1)
     return _common(
         c, architecture="T5ForConditionalGeneration", kind="encoder-decoder", num_layers=n_dec,
         num_encoder_layers=n_enc, hidden_size=h, num_attention_heads=n_heads, num_key_value_heads=n_heads,
         head_dim=hd, intermediate_size=d_ff, vocab_size=vocab,
-        max_position_embeddings=c.int("n_positions", 512), hidden_act=act, gated_mlp=gated, norm_type="rmsnorm",
+        max_position_embeddings=c.pos_int("n_positions", 512), hidden_act=act, gated_mlp=gated, norm_type="rmsnorm",
         position_embedding="relative", attention_dropout=dropout, hidden_dropout=dropout, tie_word_embeddings=tie,
         layer_linears=dec, encoder_layer_linears=enc,
         embedding_params=vocab * h + 2 * buckets * n_heads,
@@ -628,14 +624,14 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
     model_type = config.get("model_type")
     if not model_type:
         raise MemkitError(f"{source} has no model_type; is it a Hugging Face config.json? "
-                          f"memkit supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
         raise MemkitError(f"{source} is a multimodal gemma3 config; memkit estimates its language model: save "
                           "its text_config (model_type gemma3_text) as a config.json and pass that")
     family = _FAMILIES.get(model_type)
     if family is None:
-        raise MemkitError(f"model_type {model_type!r} ({source}) is not supported{did_you_mean(model_type, _FAMILIES)}; "
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise MemkitError(f"{source}: model_type {model_type!r} is not supported"
+                          f"{did_you_mean(model_type, _FAMILIES)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     fields = family(_Cfg(config, source))
     num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
                   + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)

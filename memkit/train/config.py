@@ -15,7 +15,7 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_bat
               "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
 DEEPSPEED_KNOBS = ("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
-                   "grad_accum", "gradient_clipping")
+                   "grad_accum", "gradient_clipping", "optimizer")
 """Plan knobs the DeepSpeed file decides; plan and file must agree on each."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
@@ -146,9 +146,13 @@ def knobs_from_deepspeed(ds_config: dict) -> dict:
     if (ds_config.get("fp16") or {}).get("enabled") is True:
         out["precision"] = "fp16"
     elif (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled") is True:
-        out["precision"] = "bf16"
+        bf16 = ds_config.get("bf16") or ds_config.get("bfloat16")
+        out["precision"] = "bf16-pure" if bf16.get("bf16_master_weights_and_grads") else "bf16"
     else:
         out["precision"] = "fp32"
+    optimizer_type = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
+    if optimizer_type:
+        out["optimizer"] = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}.get(optimizer_type, optimizer_type)
     for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
                       ("gradient_accumulation_steps", "grad_accum"), ("gradient_clipping", "gradient_clipping")):
         value = ds_config.get(key)
@@ -159,7 +163,7 @@ def knobs_from_deepspeed(ds_config: dict) -> dict:
 
 def _same(knob: str, plan_value, file_value) -> bool:
     if knob == "precision":
-        return plan_value == file_value or (plan_value == "bf16-pure" and file_value == "bf16")
+        return plan_value == file_value
     if knob == "gradient_clipping":
         return float(plan_value) == float(file_value)
     return plan_value == file_value

@@ -116,7 +116,8 @@ def apply_plan(model, plan: TrainingPlan):
         if missing:
             linears = sorted(n for n in available if n.endswith("proj") or n in ("c_attn", "c_proj", "fc1", "fc2"))
             raise MemkitError(f"LoRA targets {missing} are not modules of this model; try some of {linears}")
-        config = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=0.0,
+        config = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha,
+                            lora_dropout=getattr(plan, "lora_dropout", 0.0),
                             target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     return model

@@ -1,0 +1,213 @@
+"""Measure peak live-tensor bytes of real training steps on CPU over a matrix of small models and plans.
+
+    python benchmarks/measure_cpu.py --out tests/golden/cpu_measurements.json
+    python benchmarks/measure_cpu.py --only single --rows llama-fp32-sdpa --out /tmp/x.json
+
+Single-process rows run in this process (memkit.measure.cpu_step); DeepSpeed rows launch
+`python -m torch.distributed.run --nproc_per_node 2 -m memkit.measure.deepspeed_step` (gloo) and
+collect one result per rank. Each output row: id, model config, plan, parameter counts, the
+measured figures, and the torch/transformers/deepspeed/peft versions. Existing rows of --out
+with other ids are kept, so a subset can be re-measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memkit.plan import TrainingPlan  # noqa: E402
+
+# Tiny but not trivial: activations and states both matter (hidden 256, 4 layers, seq 256).
+ARCHS: dict[str, dict] = {
+    "llama-gqa": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                  "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                  "vocab_size": 2000, "max_position_embeddings": 512, "tie_word_embeddings": False},
+    # HF GPT-2 defaults kept (dropout 0.1 on embeddings and residuals, tied lm_head) except
+    # attention dropout: with dropout_p > 0 CPU SDPA falls back to the math kernel and stores the
+    # probabilities like eager, which a GPU's flash / memory-efficient kernels do not.
+    "gpt2": {"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 2000,
+             "n_positions": 512, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 688,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "vocab_size": 2000, "max_position_embeddings": 512, "tie_word_embeddings": True},
+    "gpt-neox": {"model_type": "gpt_neox", "hidden_size": 256, "intermediate_size": 1024,
+                 "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 2000,
+                 "max_position_embeddings": 512, "rotary_pct": 0.25, "tie_word_embeddings": False,
+                 "bos_token_id": 0, "eos_token_id": 0},
+}
+LORA_TARGETS = {"llama-gqa": ("q_proj", "v_proj"), "gpt2": ("c_attn",), "qwen2": ("q_proj", "v_proj"),
+                "gpt-neox": ("query_key_value",)}
+
+BASE = TrainingPlan(engine="torch", precision="fp32", attention="sdpa", micro_batch_size=2, seq_len=256)
+
+
+def _single(row_id: str, arch: str, **changes) -> dict:
+    extra = {k: changes.pop(k) for k in ("checkpoint_reentrant",) if k in changes}
+    if changes.get("lora_rank") and "lora_targets" not in changes:
+        changes["lora_targets"] = LORA_TARGETS[arch]
+    return {"id": row_id, "kind": "single", "arch": arch, "plan": BASE.with_(**changes), "extra": extra}
+
+
+SINGLE_ROWS = [
+    _single("llama-fp32-eager", "llama-gqa", attention="eager"),
+    _single("llama-fp32-sdpa", "llama-gqa"),
+    _single("llama-bf16-sdpa", "llama-gqa", precision="bf16"),
+    _single("llama-bf16pure-sdpa", "llama-gqa", precision="bf16-pure"),
+    _single("llama-fp32-sdpa-ckpt", "llama-gqa", checkpointing="full"),
+    _single("llama-fp32-eager-ckpt", "llama-gqa", attention="eager", checkpointing="full"),
+    _single("llama-fp32-sdpa-ckpt-reentrant", "llama-gqa", checkpointing="full", checkpoint_reentrant=True),
+    _single("llama-bf16-sdpa-ckpt", "llama-gqa", precision="bf16", checkpointing="full"),
+    _single("llama-bf16pure-sdpa-ckpt", "llama-gqa", precision="bf16-pure", checkpointing="full"),
+    _single("llama-fp32-sdpa-accum2", "llama-gqa", grad_accum=2),
+    _single("llama-bf16-sdpa-ckpt-accum2", "llama-gqa", precision="bf16", checkpointing="full", grad_accum=2),
+    _single("llama-bf16-eager-micro4-seq128", "llama-gqa", precision="bf16", attention="eager",
+            micro_batch_size=4, seq_len=128),
+    _single("llama-fp32-sdpa-lora8", "llama-gqa", lora_rank=8),
+    _single("llama-bf16-sdpa-lora8-ckpt", "llama-gqa", precision="bf16", lora_rank=8, checkpointing="full"),
+    _single("llama-bf16pure-sdpa-lora8", "llama-gqa", precision="bf16-pure", lora_rank=8),
+    _single("llama-fp32-sdpa-sgd", "llama-gqa", optimizer="sgd"),
+    _single("llama-fp32-sdpa-adafactor", "llama-gqa", optimizer="adafactor"),
+    _single("gpt2-fp32-eager", "gpt2", attention="eager"),
+    _single("gpt2-fp32-sdpa", "gpt2"),
+    _single("gpt2-bf16-sdpa", "gpt2", precision="bf16"),
+    _single("gpt2-bf16pure-sdpa-ckpt", "gpt2", precision="bf16-pure", checkpointing="full"),
+    _single("gpt2-fp32-sdpa-lora8", "gpt2", lora_rank=8),
+    _single("qwen2-fp32-sdpa", "qwen2"),
+    _single("qwen2-bf16-eager", "qwen2", precision="bf16", attention="eager"),
+    _single("qwen2-bf16-sdpa-ckpt-accum2", "qwen2", precision="bf16", checkpointing="full", grad_accum=2),
+    _single("qwen2-bf16pure-sdpa", "qwen2", precision="bf16-pure"),
+    _single("qwen2-fp32-sdpa-lora16-all", "qwen2", lora_rank=16,
+            lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    _single("neox-fp32-sdpa", "gpt-neox"),
+    _single("neox-bf16-eager-ckpt", "gpt-neox", precision="bf16", attention="eager", checkpointing="full"),
+    _single("neox-bf16pure-sdpa-lora8", "gpt-neox", precision="bf16-pure", lora_rank=8),
+]
+
+# DeepSpeed: 2 ranks, small buckets so they matter without dominating (elements, not bytes).
+DS_BASE = TrainingPlan(engine="deepspeed", precision="bf16", attention="sdpa", micro_batch_size=2, seq_len=256,
+                       dp=2, reduce_bucket_size=500_000, allgather_bucket_size=500_000,
+                       stage3_prefetch_bucket_size=200_000, stage3_max_live_parameters=1_000_000,
+                       stage3_max_reuse_distance=1_000_000, stage3_param_persistence_threshold=10_000)
+
+
+def _ds(row_id: str, **changes) -> dict:
+    return {"id": row_id, "kind": "deepspeed", "arch": "llama-gqa", "plan": DS_BASE.with_(**changes), "extra": {}}
+
+
+DEEPSPEED_ROWS = [
+    _ds("ds-z0-fp32", zero_stage=0, precision="fp32"),
+    _ds("ds-z0-bf16", zero_stage=0),
+    _ds("ds-z1-fp32", zero_stage=1, precision="fp32"),
+    _ds("ds-z1-bf16", zero_stage=1),
+    _ds("ds-z2-fp32", zero_stage=2, precision="fp32"),
+    _ds("ds-z2-bf16", zero_stage=2),
+    _ds("ds-z3-fp32", zero_stage=3, precision="fp32"),
+    _ds("ds-z3-bf16", zero_stage=3),
+    _ds("ds-z2-bf16-offload", zero_stage=2, offload_optimizer="cpu"),
+    _ds("ds-z3-bf16-offload", zero_stage=3, offload_optimizer="cpu"),
+    _ds("ds-z2-fp32-offload", zero_stage=2, precision="fp32", offload_optimizer="cpu"),
+    _ds("ds-z2-bf16-ckpt-accum2", zero_stage=2, checkpointing="full", grad_accum=2),
+    _ds("ds-z3-bf16-ckpt", zero_stage=3, checkpointing="full"),
+]
+
+
+def versions() -> dict:
+    import deepspeed
+    import peft
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "deepspeed": deepspeed.__version__, "peft": peft.__version__, "python": sys.version.split()[0]}
+
+
+def run_single(row: dict, num_steps: int) -> dict:
+    from memkit.measure.cpu_step import count_params, measure_training
+
+    config = ARCHS[row["arch"]]
+    counts = count_params(config, row["plan"])
+    gc.collect()
+    measured = measure_training(config, row["plan"], num_steps=num_steps, **row["extra"])
+    gc.collect()
+    return {**counts, "measured": measured}
+
+
+def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900) -> dict:
+    from memkit.measure.cpu_step import count_params
+
+    config = ARCHS[row["arch"]]
+    counts = count_params(config, row["plan"].with_(engine="torch", dp=1, zero_stage=0,
+                                                    offload_optimizer="none"))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        (tmp_path / "cfg.json").write_text(json.dumps(config))
+        (tmp_path / "plan.json").write_text(json.dumps(row["plan"].to_dict()))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["plan"].dp),
+               "--master_port", str(port), "-m", "memkit.measure.deepspeed_step",
+               "--model-config", str(tmp_path / "cfg.json"), "--plan", str(tmp_path / "plan.json"),
+               "--out", str(tmp_path / "out"), "--steps", str(num_steps)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{row['id']}: worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-6000:]}")
+        ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(row["plan"].dp)]
+    return {**counts, "measured": {"ranks": ranks}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", choices=("single", "deepspeed", "all"), default="all")
+    parser.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per row (>= 2)")
+    parser.add_argument("--port", type=int, default=29531)
+    parser.add_argument("--list", action="store_true", help="print the row ids and exit")
+    args = parser.parse_args(argv)
+
+    rows = [r for r in SINGLE_ROWS + DEEPSPEED_ROWS
+            if args.only in ("all", r["kind"] if r["kind"] == "single" else "deepspeed")]
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        unknown = wanted - {r["id"] for r in rows}
+        if unknown:
+            parser.error(f"unknown row ids {sorted(unknown)}; see --list")
+        rows = [r for r in rows if r["id"] in wanted]
+    if args.list:
+        print("\n".join(r["id"] for r in rows))
+        return 0
+
+    existing = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
+    by_id = {r["id"]: r for r in existing}
+    info = versions()
+    for row in rows:
+        start = time.time()
+        if row["kind"] == "single":
+            result = run_single(row, args.steps)
+        else:
+            result = run_deepspeed(row, args.steps, port=args.port)
+        by_id[row["id"]] = {"id": row["id"], "kind": row["kind"], "arch": row["arch"],
+                            "model_config": ARCHS[row["arch"]], "plan": row["plan"].to_dict(),
+                            **row["extra"], **result, "versions": info}
+        peak = result["measured"]["ranks"][0]["peak_bytes"] if row["kind"] != "single" \
+            else result["measured"]["peak_bytes"]
+        print(f"{row['id']:40s} peak {peak / 2**20:8.2f} MiB  ({time.time() - start:5.1f} s)", flush=True)
+        ordered = [by_id[r["id"]] for r in SINGLE_ROWS + DEEPSPEED_ROWS if r["id"] in by_id]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"description": "Peak live-tensor bytes of real CPU training "
+                                        "steps; generated by benchmarks/measure_cpu.py",
+                                        "rows": ordered}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""memkit's memory estimate against published GPU measurements.
+
+    python benchmarks/memory_accuracy.py [--calibration DIR] [--verbose] [--worst N]
+
+For every record of DIR/published_gpu_measurements.jsonl (default ../shared/calibration relative
+to the repository root; sources cited in DIR/SOURCES.md) it prints the mapped configuration, the
+measured and predicted GiB of the matching metric (alloc = max_memory_allocated, resv = peak
+reserved, smi = nvidia-smi used, layer = one layer's saved activations) and the error, then the
+median / mean absolute error per source. Rows marked '~' were mapped to the closest plan memkit
+can express (reasons listed below the table); skipped rows say why. Accuracy is reported here,
+never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from memkit.calibration import Outcome, cases_for_record, score, summarize
+from memkit.units import GIB
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CALIBRATION = REPO.parent / "shared" / "calibration"
+CONFIGS_DIR = Path(__file__).resolve().parent / "calibration_configs"
+_METRIC_SHORT = {"allocated": "alloc", "reserved": "resv", "nvidia_smi": "smi", "block_saved": "layer", "-": "-"}
+
+
+def read_records(calibration_dir: Path) -> list[dict]:
+    path = Path(calibration_dir) / "published_gpu_measurements.jsonl"
+    with path.open() as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def published_outcomes(calibration_dir: Path) -> list[Outcome]:
+    outcomes = []
+    for record in read_records(calibration_dir):
+        for case in cases_for_record(record, configs_dir=CONFIGS_DIR):
+            outcomes.append(score(case))
+    return outcomes
+
+
+def _gib(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / GIB:.2f}"
+
+
+def _row(o: Outcome) -> str:
+    c = o.case
+    mark = "~" if c.approx else " "
+    if c.kind == "skip":
+        result = f"SKIP {c.skip_reason}"
+        return f"{mark}{c.case_id:<44} {c.model_name:<24} {c.summary:<60} {'-':>5} {_gib(c.measured_bytes):>7} {'-':>7}  {result}"
+    if o.error:
+        result = f"ERROR {o.error}"
+    elif c.kind in ("regression", "activation_probe"):
+        result = f"{o.error_pct:+7.1f}%"
+        if c.kind == "activation_probe":
+            result += f"  {o.detail}"
+        elif o.alternatives:
+            result += "  " + " ".join(f"[{k}: {_gib(v)}]" for k, v in o.alternatives.items())
+    else:
+        verdict = "PASS" if o.passed else "FAIL"
+        result = f"{verdict} {c.kind} {o.detail}"
+        if o.alternatives:
+            result += "  " + " ".join(f"[{k}: {_gib(v)}]" for k, v in o.alternatives.items())
+    return (f"{mark}{c.case_id:<44} {c.model_name:<24} {c.summary:<60} {_METRIC_SHORT[c.metric]:>5} "
+            f"{_gib(c.measured_bytes):>7} {_gib(o.predicted_bytes):>7}  {result}")
+
+
+def _breakdown(o: Outcome) -> list[str]:
+    est = o.estimate
+    lines = [f"  {o.case.case_id}: peak phase {est.peak_phase}; allocated {_gib(est.allocated_peak_bytes)}, "
+             f"reserved {_gib(est.reserved_peak_bytes)}, smi {_gib(est.nvidia_smi_peak_bytes)} GiB; measured "
+             f"{_gib(o.case.measured_bytes)} ({o.case.metric})"]
+    comps = sorted(est.components.items(), key=lambda kv: -kv[1])
+    lines.append("    " + ", ".join(f"{k} {_gib(v)}" for k, v in comps))
+    lines.append("    phases: " + ", ".join(f"{k} {_gib(v)}" for k, v in est.phases.items()))
+    return lines
+
+
+def _fmt(x: float) -> str:
+    return "   -" if isinstance(x, float) and math.isnan(x) else f"{x:5.1f}"
+
+
+def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
+    out = []
+    header = (f" {'id':<44} {'model':<24} {'config':<60} {'what':>5} {'meas':>7} {'pred':>7}  error / check")
+    out.append(header)
+    out.append("-" * len(header))
+    source = None
+    for o in outcomes:
+        if o.case.source_id != source:
+            source = o.case.source_id
+            out.append(f"# {source}")
+        out.append(_row(o))
+
+    out.append("")
+    out.append("Approximations (rows marked ~):")
+    seen: dict[str, list[str]] = {}
+    for o in outcomes:
+        for reason in o.case.approx:
+            seen.setdefault(reason, []).append(o.case.case_id)
+    for reason, ids in seen.items():
+        out.append(f"  [{len(ids):2d}] {reason}")
+
+    for title, exact in (("all mapped rows", False), ("exact-mapped rows only (no ~)", True)):
+        out.append("")
+        out.append(f"Summary, {title}: regression |error| %, bound checks")
+        out.append(f"  {'source':<40} {'n':>3} {'median':>7} {'mean':>7} {'signed':>7}   {'probe n/med':>11}   "
+                   f"{'bounds':>9} {'skip':>5} {'err':>4}")
+        stats = summarize(outcomes, exact_only=exact)
+        for name in sorted(stats, key=lambda k: (k == "ALL", k)):
+            s = stats[name]
+            probe = f"{s['n_probe']}/{_fmt(s['probe_median_abs_pct'])}" if s["n_probe"] else "-"
+            out.append(f"  {name:<40} {s['n_regression']:>3} {_fmt(s['median_abs_pct']):>7} "
+                       f"{_fmt(s['mean_abs_pct']):>7} {_fmt(s['mean_signed_pct']):>7}   {probe:>11}   "
+                       f"{s['bounds_pass']:>3}P/{s['bounds_fail']:<3}F {s['skipped']:>5} {s['errors']:>4}")
+
+    if verbose:
+        rows = [o for o in outcomes if o.estimate is not None and o.error_pct is not None]
+        rows.sort(key=lambda o: -abs(o.error_pct))
+        out.append("")
+        out.append(f"Component breakdown of the {worst} worst regression rows:")
+        for o in rows[:worst]:
+            out.extend(_breakdown(o))
+        fails = [o for o in outcomes if o.passed is False and o.estimate is not None]
+        if fails:
+            out.append("")
+            out.append("Component breakdown of failed bound checks:")
+            for o in fails:
+                out.extend(_breakdown(o))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+                        help=f"folder holding published_gpu_measurements.jsonl (default {DEFAULT_CALIBRATION})")
+    parser.add_argument("--verbose", action="store_true", help="component breakdown of the worst rows")
+    parser.add_argument("--worst", type=int, default=10, help="how many worst rows --verbose breaks down")
+    args = parser.parse_args(argv)
+    if not (args.calibration / "published_gpu_measurements.jsonl").is_file():
+        print(f"no published_gpu_measurements.jsonl in {args.calibration}; pass --calibration DIR", file=sys.stderr)
+        return 2
+    print(render(published_outcomes(args.calibration), verbose=args.verbose, worst=args.worst))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Fine-tune a causal LM under a memkit plan. Run it with `accelerate launch`:
+
+    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \
+        --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
+
+`python launch/finetune.py --help` lists every flag. The loop lives in memkit.train.
+"""
+import sys
+
+from memkit.train.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""Published GPU measurements as memkit cases: map each record of
+../shared/calibration/published_gpu_measurements.jsonl (sources in SOURCES.md next to it) to a
+ModelSpec, a TrainingPlan and a Hardware, and score memkit's estimate against the measurement.
+
+No printing, no reading of the calibration file (the caller passes parsed records); model configs
+are read through memkit.spec.hf (the catalog, or `configs_dir` for models outside it).
+benchmarks/memory_accuracy.py renders the outcomes.
+
+Record kinds:
+- regression: a measured peak, compared like with like: max_memory_allocated ->
+  allocated_peak_bytes, memory_stats reserved peak -> reserved_peak_bytes, nvidia-smi / NVML
+  used -> nvidia_smi_peak_bytes;
+- oom: the run ran out of memory; passes when the predicted nvidia-smi peak exceeds the device;
+- max_fit_batch: the largest micro-batch that fit; passes when the prediction at that batch fits
+  (the next batch the authors tried is not published, so the upper side is reported, not judged);
+- activation_probe (S8): bytes one decoder layer's forward keeps (saved tensors + its output),
+  compared with block_activations().
+
+Anything memkit cannot represent is either mapped to the closest plan and listed in `approx`, or
+skipped with `skip_reason`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from memkit.errors import MemkitError
+from memkit.estimate.activations import block_activations
+from memkit.estimate.memory import estimate_memory
+from memkit.estimate.result import MemoryEstimate
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import find_catalog_model, load_model_spec, spec_from_config
+from memkit.spec.model import ModelSpec
+from memkit.units import GIB
+
+METRIC_FIELDS = {"allocated": "allocated_peak_bytes", "reserved": "reserved_peak_bytes",
+                 "nvidia_smi": "nvidia_smi_peak_bytes"}
+
+# Record model name -> catalog name, where the catalog holds the same architecture.
+_CATALOG_ALIASES = {
+    "bloomz-7b1": "bloom-7b1",          # BLOOMZ is BLOOM fine-tuned: same config
+    "gemma-1.1-2b": "gemma-2b",         # Gemma 1.1 re-trained Gemma 1 weights: same config
+}
+# Record model name -> folder under configs_dir (benchmarks/calibration_configs/).
+_CONFIG_DIRS = {
+    "t0_3b": "t0-3b",
+    "mt0-xxl": "mt0-xxl",
+    "deberta-v2-xlarge-mnli": "deberta-v2-xlarge-mnli",
+    "blenderbot-400M-distill": "blenderbot-400m-distill",
+}
+_APPROX_CONFIGS = {
+    "deberta-v2-xlarge-mnli": "DeBERTa-v2 modelled as a BERT encoder of the same sizes (no disentangled attention)",
+    "blenderbot-400M-distill": "Blenderbot modelled as a T5 encoder-decoder of the same sizes",
+}
+
+# Record GPU string (prefix, lower case) -> memkit catalog GPU.
+_GPUS = (
+    ("tesla v100-sxm2 16gb", "v100-16gb"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100 40gb", "a100-40gb"),
+    ("a100 80gb", "a100-80gb"),
+    ("h100 96gb", "h100-96gb"),
+    ("h100 80gb", "h100-80gb"),
+    ("h200", "h200"),
+    ("titan rtx", "titan-rtx"),
+)
+
+# Facts a record states only in prose (seq_len_note / config_notes / source docs).
+# torchtitan PP rows: local batch per DP rank; torchtitan splits it into as many microbatches as
+# pipeline stages when pipeline_parallel_microbatches is unset (torchtitan/parallelisms/pipeline_llama.py).
+_TITAN_LOCAL_BATCH = {"titan-t5-1": 32, "titan-t5-2": 32, "titan-t6-1": 8, "titan-t6-2": 8,
+                      "titan-t6-3": 8, "titan-t6-4": 8}
+# PEFT README runs (ought/raft twitter_complaints): tweets padded to the longest of each batch of 8
+# (<= 280 characters, roughly <= 100 T5 tokens), labels padded to the longest class name (a few
+# tokens). memkit has one seq_len for encoder and decoder; 64 is our assumption.
+_PEFT_TWEET_SEQ_LEN = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One record (or a check derived from one) mapped to memkit objects."""
+
+    case_id: str
+    source_id: str
+    model_name: str
+    kind: str
+    """regression | oom | max_fit_batch | activation_probe | skip"""
+    metric: str
+    """allocated | reserved | nvidia_smi | block_saved"""
+    measured_bytes: int
+    summary: str
+    confidence: str = ""
+    model: ModelSpec | None = None
+    plan: TrainingPlan | None = None
+    hardware: Hardware | None = None
+    approx: tuple[str, ...] = ()
+    skip_reason: str = ""
+    max_fit_batch: int = 0
+    alternatives: tuple[tuple[str, TrainingPlan], ...] = ()
+    """Other plans worth pricing next to the main one (e.g. the two ends of a selective-AC bracket)."""
+
+    @property
+    def is_exact(self) -> bool:
+        return not self.approx
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    case: Case
+    predicted_bytes: int | None = None
+    error_pct: float | None = None
+    """(predicted - measured) / measured x 100, for regression and probe rows."""
+    passed: bool | None = None
+    """For oom / max_fit_batch rows."""
+    estimate: MemoryEstimate | None = None
+    detail: str = ""
+    alternatives: dict[str, int] = field(default_factory=dict)
+    error: str = ""
+    """A MemkitError the estimator raised for this case (the mapping is then wrong or unsupported)."""
+
+
+# ----------------------------------------------------------------------------- mapping
+
+def cases_for_record(record: dict, *, configs_dir: Path) -> list[Case]:
+    """The case for one record, plus checks the record implies (e.g. 'DDP OOMs at bs=1')."""
+    case = map_record(record, configs_dir=configs_dir)
+    out = [case]
+    metric_text = record["measured"].get("metric", "")
+    if "DDP OOMs at bs=1" in metric_text and case.kind != "skip":
+        # HF blog: plain DDP (torch AMP fp16, no ZeRO) could not fit one sample of GPT-2 XL.
+        ddp = replace(case.plan, engine="torch", zero_stage=0, offload_optimizer="none",
+                      offload_params="none", micro_batch_size=1)
+        out.append(replace(case, case_id=case.case_id + ":ddp-bs1", kind="oom", plan=ddp,
+                           measured_bytes=case.hardware.gpu.memory_bytes, max_fit_batch=0,
+                           summary=_summary(ddp)))
+    return out
+
+
+def map_record(record: dict, *, configs_dir: Path) -> Case:
+    rid, source = record["id"], record["source_id"]
+    meas = record["measured"]
+    scope = meas["scope"]
+    measured = int(round(meas["value_gib"] * GIB))
+    base = dict(case_id=rid, source_id=source, model_name=record["model"]["name"],
+                measured_bytes=measured, confidence=record.get("confidence", ""))
+
+    skip = _skip_reason(record)
+    if skip:
+        return Case(kind="skip", metric="-", summary=_record_summary(record), skip_reason=skip, **base)
+
+    approx: list[str] = []
+    model = _model(record, configs_dir, approx)
+    if scope == "activations_per_layer":
+        plan = TrainingPlan(precision="bf16-pure", engine="torch", micro_batch_size=record["micro_batch_size"],
+                            seq_len=record["seq_len"], attention="sdpa")
+        return Case(kind="activation_probe", metric="block_saved", model=model, plan=plan,
+                    hardware=Hardware(gpu=find_gpu("h100-80gb")), approx=tuple(approx),
+                    summary=f"1 layer fwd bs{plan.micro_batch_size}x{plan.seq_len} bf16 sdpa", **base)
+
+    plan, hardware, alternatives = _plan(record, model, approx)
+    if scope == "oom":
+        kind, metric = "oom", "nvidia_smi"
+        measured = hardware.gpu.memory_bytes
+    elif scope == "max_fit_batch":
+        kind, metric = "max_fit_batch", "nvidia_smi"
+        measured = hardware.gpu.memory_bytes
+    else:
+        kind, metric = "regression", _metric(meas, approx)
+    base["measured_bytes"] = measured
+    return Case(kind=kind, metric=metric, model=model, plan=plan, hardware=hardware, approx=tuple(approx),
+                max_fit_batch=meas.get("max_batch_fits", 0), alternatives=tuple(alternatives),
+                summary=_summary(plan), **base)
+
+
+def _skip_reason(record: dict) -> str:
+    lora = record.get("lora") or {}
+    if record.get("finetune_type") == "qlora" or lora.get("base_quant"):
+        return (f"QLoRA: 4-bit base weights ({lora.get('base_quant') or 'bnb nf4'}); memkit has no "
+                "quantized-weight plan")
+    return ""
+
+
+def _metric(meas: dict, approx: list[str]) -> str:
+    text = meas["metric"].lower()
+    if "reserved" in text:
+        return "reserved"
+    if "max_memory_allocated" in text or "tracemalloc" in text:
+        return "allocated"
+    if "nvml" in text or "nvidia-smi" in text or meas["scope"] in ("device_used", "whole_device_used_after_training"):
+        return "nvidia_smi"
+    approx.append(f"metric unstated ({meas['metric']}); compared with allocated")
+    return "allocated"
+
+
+def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
+    name = record["model"]["name"]
+    if name in _CONFIG_DIRS:
+        spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))
+        if name in _APPROX_CONFIGS:
+            approx.append(_APPROX_CONFIGS[name])
+    elif name.startswith("gpt-") and record["source_id"] == "bigcode_megatron_issue_20":
+        spec = spec_from_config(_bigcode_gpt_config(record["model"]), name=name)
+        approx.append("Megatron GPT modelled as HF GPT-2 of the same sizes")
+    else:
+        catalog = _CATALOG_ALIASES.get(name, name)
+        if find_catalog_model(catalog) is None:
+            raise MemkitError(f"calibration record {record['id']}: model {name!r} is neither in the catalog "
+                              f"nor in {configs_dir}; add its config.json there")
+        spec = load_model_spec(catalog)
+    if record.get("task") == "seq_cls":
+        spec = as_sequence_classifier(spec, num_labels=2)
+        approx.append("seq-cls head (pooler + 2-way classifier) in place of the MLM head: "
+                      "vocab_size set to 2 for the logits term")
+    return spec
+
+
+def _bigcode_gpt_config(m: dict) -> dict:
+    """A GPT-2 config.json from a bigcode issue-20 row: learned positions 2048, tied head, dropout
+    0.1 (Megatron-LM arguments.py defaults for hidden_dropout and attention_dropout)."""
+    return {"model_type": "gpt2", "n_embd": m["hidden_size"], "n_layer": m["num_layers"], "n_head": m["num_heads"],
+            "n_inner": m["intermediate_size"], "vocab_size": m["vocab_size"], "n_positions": 2048,
+            "activation_function": "gelu", "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+            "tie_word_embeddings": True}
+
+
+def as_sequence_classifier(spec: ModelSpec, *, num_labels: int) -> ModelSpec:
+    """`spec` with an AutoModelForSequenceClassification head: BertPooler (dense H x H + tanh on the
+    first token) and a num_labels classifier (transformers/models/bert/modeling_bert.py,
+    BertForSequenceClassification) in place of the MLM head. vocab_size becomes num_labels, since
+    the estimator uses it only for the logits / loss term; the word embeddings keep their size in
+    embedding_params."""
+    h = spec.hidden_size
+    head = h * h + h + h * num_labels + num_labels
+    num_params = spec.num_params - spec.head_params + head
+    return replace(spec, architecture=spec.architecture.replace("ForMaskedLM", "ForSequenceClassification"),
+                   vocab_size=num_labels, head_params=head, num_params=num_params, tie_word_embeddings=False)
+
+
+def _gpu(record: dict) -> str:
+    text = record["gpu"].lower()
+    for prefix, name in _GPUS:
+        if text.startswith(prefix):
+            return name
+    return ""
+
+
+def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
+    """(memkit precision, engine hint) from the record's precision text."""
+    text = record["precision"].lower()
+    if text.startswith("fp32"):
+        if "presumed" in text:
+            approx.append("precision not stated by the source; fp32 presumed")
+        return "fp32", ""
+    if text.startswith("fp16_mixed"):
+        return "fp16", ""
+    if text.startswith("bf16_mixed"):
+        return "bf16", ""
+    if text.startswith("bf16_pure") or text.startswith("bf16 weights"):
+        return "bf16-pure", ""
+    if text.startswith("unspecified"):
+        # Megatron-LM fp16: fp16 module, fp32 main params in the optimizer, as DeepSpeed does.
+        approx.append("precision unstated; Megatron fp16 (fp16 weights + fp32 master) assumed")
+        return "fp16", "deepspeed"
+    raise MemkitError(f"calibration record {record['id']}: precision {record['precision']!r} has no mapping")
+
+
+def _optimizer(record: dict, approx: list[str]) -> str:
+    text = (record.get("optimizer") or "").lower()
+    if "8bit" in text:
+        return "adamw-8bit"
+    if "adafactor" in text:
+        return "adafactor"
+    if "adam" in text:
+        if "adamw_hf" in text:
+            approx.append("HF AdamW loops per tensor (no foreach temporary the size of all params)")
+        return "adamw"
+    raise MemkitError(f"calibration record {record['id']}: optimizer {record.get('optimizer')!r} has no mapping")
+
+
+def _checkpointing(record: dict, approx: list[str]) -> tuple[str, bool]:
+    """(checkpointing, selective): selective AC maps to 'full' with a bracket up to 'none'."""
+    text = record["activation_checkpointing"].lower()
+    if text.startswith("full"):
+        return "full", False
+    if text.startswith("selective"):
+        approx.append("selective (per-op) AC priced as full AC (lower bound); 'none' shown as upper bound")
+        return "full", True
+    if text.startswith("unspecified"):
+        approx.append("activation checkpointing unstated; none assumed")
+    return "none", False
+
+
+def _attention(record: dict) -> str:
+    text = record["attention_impl"].lower()
+    if "flash_attention_2" in text:
+        return "flash"
+    if "sdpa" in text:
+        return "sdpa"
+    return "eager"  # eager, or unstated with s^2 scores evident (bigcode)
+
+
+def _lora_targets(spec: ModelSpec, targets) -> tuple[str, ...]:
+    """The record's LoRA targets as names of spec's linears."""
+    by_role: dict[str, str] = {}
+    for lin in spec.layer_linears + spec.encoder_layer_linears:
+        by_role.setdefault(lin.role, lin.name)
+    text = " ".join(targets) if isinstance(targets, list) else str(targets)
+    text = text.lower()
+    if "all-linear" in text:
+        return spec.linear_names()
+    if "query_key_value" in text:
+        return (by_role["qkv"],)
+    # query/value (litgpt) or T5 default q, v: the q and v projections, or the fused qkv one
+    if "q" in by_role and "v" in by_role:
+        return (by_role["q"], by_role["v"])
+    return (by_role["qkv"],)
+
+
+def _plan(record: dict, model: ModelSpec, approx: list[str]
+          ) -> tuple[TrainingPlan, Hardware, list[tuple[str, TrainingPlan]]]:
+    rid, extras = record["id"], [e.lower() for e in record.get("extras", [])]
+    precision, engine_hint = _precision(record, approx)
+    optimizer = _optimizer(record, approx)
+    checkpointing, selective = _checkpointing(record, approx)
+    attention = _attention(record)
+
+    fsdp = (record.get("fsdp") or "").lower()
+    zero = record.get("zero_stage")
+    if zero is not None:
+        engine, zero_stage = "deepspeed", int(zero)
+    elif fsdp:
+        engine, zero_stage = "torch", 3  # FSDP full shard == ZeRO-3 with engine torch
+    else:
+        engine, zero_stage = engine_hint or "torch", 0
+    offload_opt = "cpu" if record.get("offload_optimizer") else "none"
+    offload_par = "cpu" if record.get("offload_params") else "none"
+
+    num_gpus, tp, pp, cp = record["num_gpus"], record.get("tp", 1), record.get("pp", 1), record.get("cp", 1)
+    dp = num_gpus // (tp * pp)  # FSDP shards over dp_shard x cp; CP is folded into dp below
+    micro, accum, seq = record["micro_batch_size"], record["grad_accum"], record["seq_len"]
+    if seq is None:
+        seq = _PEFT_TWEET_SEQ_LEN
+        approx.append(f"seq_len unpublished (tweets padded per batch); {seq} assumed for encoder and decoder")
+    elif model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):
+        approx.append("decoder length 64 priced at the encoder's 128 (memkit has one seq_len)")
+    if cp > 1:
+        seq //= cp
+        approx.append(f"context parallel {cp}: priced as seq_len/cp = {seq} per rank, FSDP over dp_shard x cp")
+    if micro is None:
+        local = _TITAN_LOCAL_BATCH[rid]
+        micro, accum = max(1, local // pp), pp
+        approx.append(f"PP microbatches unstated: local batch {local} split into {pp} (torchtitan default)")
+
+    pp_schedule, zero_for_pp = "1f1b", zero_stage
+    if pp > 1:
+        if any("interleaved" in e for e in extras):
+            approx.append("interleaved 1F1B priced as 1F1B")
+        if engine == "torch" and zero_stage > 1:
+            # torchtitan runs FSDP2 inside each stage; memkit's plan refuses ZeRO>1 with PP, but its torch
+            # engine shards states for any stage > 0, so stage 1 prices the same sharded states.
+            zero_for_pp = 1
+            approx.append("FSDP inside PP stages priced as torch engine zero_stage=1 (states sharded)")
+    if tp > 1 and "torchtitan" in record.get("framework", "").lower():
+        approx.append("torchtitan TP applies sequence parallel to norms; memkit keeps hidden-sized "
+                      "activations whole on every TP rank")
+    if any("compile" in e for e in extras):
+        approx.append("torch.compile (fused kernels save fewer intermediates)")
+    if any("float8" in e for e in extras):
+        approx.append("float8 linears (fp8 copies of inputs/weights saved for backward)")
+    if any("lm_head computed in 128-token chunks" in e for e in extras):
+        approx.append("litgpt chunked lm_head + chunked CE: logits stay bf16, no fp32 upcast")
+    if engine == "torch" and zero_stage == 3 and precision in ("fp16", "bf16"):
+        approx.append("FSDP mixed precision casts params per unit (not torch.autocast)")
+
+    lora = record.get("lora") or {}
+    lora_kw = {}
+    if record.get("finetune_type") == "lora":
+        targets = _lora_targets(model, lora.get("targets"))
+        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=targets,
+                       lora_alpha=int(lora.get("alpha", 16)), lora_dropout=float(lora.get("dropout", 0.0)))
+        want = lora.get("trainable_params")
+        have = model.lora_params(lora_kw["lora_rank"], targets)
+        if want and abs(have - want) > 0.01 * want:
+            approx.append(f"LoRA trainable params {have:,} vs published {want:,}")
+
+    gpu = _gpu(record)
+    if not gpu:
+        gpu = "a100-80gb"
+        approx.append(f"GPU {record['gpu']!r} unstated; a100-80gb assumed")
+    per_node = min(num_gpus, 8)
+    hardware = Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=max(1, num_gpus // per_node))
+    plan = TrainingPlan(
+        precision=precision, optimizer=optimizer, zero_stage=zero_for_pp, engine=engine,
+        offload_optimizer=offload_opt, offload_params=offload_par, checkpointing=checkpointing,
+        attention=attention, micro_batch_size=int(micro), grad_accum=int(accum), seq_len=int(seq),
+        dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
+        pp_schedule=pp_schedule, **lora_kw)
+    alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
+    if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):
+        alternatives.append(("all at 64", replace(plan, seq_len=64)))
+    return plan, hardware, alternatives
+
+
+def _summary(plan: TrainingPlan) -> str:
+    parts = [f"bs{plan.micro_batch_size}x{plan.seq_len}"]
+    if plan.grad_accum > 1:
+        parts.append(f"ga{plan.grad_accum}")
+    parts.append(plan.precision)
+    parts.append(plan.optimizer)
+    if plan.is_lora:
+        parts.append(f"lora{plan.lora_rank}:{'+'.join(plan.lora_targets) if len(plan.lora_targets) < 4 else 'all'}")
+    if plan.checkpointing != "none":
+        parts.append("AC")
+    parts.append(plan.attention)
+    par = f"{plan.engine[:2]}" + (f"-z{plan.zero_stage}" if plan.zero_stage else "")
+    if plan.offload_optimizer != "none" or plan.offload_params != "none":
+        par += "+off"
+    dims = [f"dp{plan.dp}"] + [f"{n}{v}" for n, v in (("tp", plan.tp), ("pp", plan.pp)) if v > 1]
+    parts.append(par + " " + "x".join(dims))
+    return " ".join(parts)
+
+
+def _record_summary(record: dict) -> str:
+    return (f"bs{record['micro_batch_size']}x{record['seq_len']} {record['precision'].split(' ')[0]} "
+            f"{record['finetune_type']} x{record['num_gpus']}")
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def score(case: Case) -> Outcome:
+    """Price `case` with memkit and compare with the measurement."""
+    if case.kind == "skip":
+        return Outcome(case=case)
+    try:
+        if case.kind == "activation_probe":
+            return _score_probe(case)
+        est = estimate_memory(case.model, case.plan, case.hardware)
+    except MemkitError as exc:
+        return Outcome(case=case, error=str(exc))
+    predicted = getattr(est, METRIC_FIELDS[case.metric])
+    alts = {}
+    for label, plan in case.alternatives:
+        try:
+            alts[label] = getattr(estimate_memory(case.model, plan, case.hardware), METRIC_FIELDS[case.metric])
+        except MemkitError:
+            alts[label] = -1
+    if case.kind == "regression":
+        err = (predicted - case.measured_bytes) / case.measured_bytes * 100
+        return Outcome(case=case, predicted_bytes=predicted, error_pct=err, estimate=est, alternatives=alts)
+    capacity = case.hardware.gpu.memory_bytes
+    if case.kind == "oom":
+        return Outcome(case=case, predicted_bytes=predicted, passed=predicted > capacity, estimate=est,
+                       detail=f"pred {predicted / capacity:.2f}x device", alternatives=alts)
+    # max_fit_batch
+    fits = predicted <= capacity
+    best = max_fitting_batch(case, limit=max(64, 8 * case.max_fit_batch))
+    return Outcome(case=case, predicted_bytes=predicted, passed=fits, estimate=est, alternatives=alts,
+                   detail=f"pred max bs {best if best is not None else '>limit'} vs published {case.max_fit_batch}")
+
+
+def _score_probe(case: Case) -> Outcome:
+    """The probe's delta holds what the layer saved plus its output, which has the input's shape and
+    dtype (stas00/ml-engineering benchmarks/activation-memory-per-layer.py)."""
+    blk = block_activations(case.model, case.plan)
+    predicted = blk.saved_bytes + blk.input_bytes
+    err = (predicted - case.measured_bytes) / case.measured_bytes * 100
+    unit = case.plan.micro_batch_size * case.plan.seq_len * case.model.hidden_size * 2
+    return Outcome(case=case, predicted_bytes=predicted, error_pct=err,
+                   detail=f"coef {predicted / unit:.1f} vs {case.measured_bytes / unit:.1f}",
+                   alternatives={k: v for k, v in blk.by_label.items()})
+
+
+def max_fitting_batch(case: Case, *, limit: int) -> int | None:
+    """Largest micro-batch whose predicted nvidia-smi peak fits the device (0 if none; None if > limit)."""
+    capacity = case.hardware.gpu.memory_bytes
+
+    def fits(b: int) -> bool:
+        est = estimate_memory(case.model, replace(case.plan, micro_batch_size=b), case.hardware)
+        return est.nvidia_smi_peak_bytes <= capacity
+
+    if not fits(1):
+        return 0
+    if fits(limit):
+        return None
+    lo, hi = 1, limit  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def summarize(outcomes: list[Outcome], *, exact_only: bool = False) -> dict[str, dict[str, float]]:
+    """Per source and overall: count, median and mean absolute % error of regression rows (and probe
+    rows, reported under their own source), pass / fail counts of bound rows."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if exact_only and not o.case.is_exact:
+            continue
+        groups.setdefault(o.case.source_id, []).append(o)
+        groups.setdefault("ALL", []).append(o)
+    out = {}
+    for name, rows in groups.items():
+        errs = sorted(abs(o.error_pct) for o in rows if o.error_pct is not None
+                      and o.case.kind == "regression" and math.isfinite(o.error_pct))
+        probe = sorted(abs(o.error_pct) for o in rows if o.error_pct is not None and o.case.kind == "activation_probe")
+        signed = [o.error_pct for o in rows if o.error_pct is not None and o.case.kind == "regression"]
+        bounds = [o for o in rows if o.passed is not None]
+        out[name] = {
+            "n_regression": len(errs),
+            "median_abs_pct": _median(errs),
+            "mean_abs_pct": sum(errs) / len(errs) if errs else float("nan"),
+            "mean_signed_pct": sum(signed) / len(signed) if signed else float("nan"),
+            "n_probe": len(probe),
+            "probe_median_abs_pct": _median(probe),
+            "bounds_pass": sum(o.passed for o in bounds),
+            "bounds_fail": sum(not o.passed for o in bounds),
+            "skipped": sum(o.case.kind == "skip" for o in rows),
+            "errors": sum(bool(o.error) for o in rows),
+        }
+    return out
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2

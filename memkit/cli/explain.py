@@ -1,0 +1,178 @@
+"""memkit explain: re-read a plan.json and print it as `memkit suggest` did."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from memkit.cli.render import format_table
+from memkit.errors import MemkitError
+from memkit.units import GIB
+
+HELP = "print a plan.json written by `memkit suggest --out` (optionally re-estimate it)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan_json", metavar="PLAN.json", help="plan.json (or the folder holding it)")
+    p.add_argument("--check", action="store_true",
+                   help="re-estimate the plan with this memkit and show what changed")
+    p.add_argument("--json", action="store_true", help="print the document as one JSON object")
+
+
+def read_document(path_text: str) -> dict:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "plan.json"
+    if not path.is_file():
+        raise MemkitError(f"{path_text}: no such file; pass the plan.json that `memkit suggest --out DIR` wrote")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MemkitError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    missing = [k for k in ("plan", "model", "hardware", "estimate", "step_time") if k not in doc]
+    if missing:
+        raise MemkitError(f"{path} lacks {', '.join(missing)}: not a memkit plan.json")
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = read_document(args.plan_json)
+    out_dir = str(Path(args.plan_json).parent) if not Path(args.plan_json).is_dir() else args.plan_json
+    check = _recheck(doc) if args.check else None
+    if args.json:
+        out = dict(doc)
+        if check is not None:
+            out["check"] = check
+        print(json.dumps(out, indent=2))
+        return 0
+    print(render_document(doc, out_dir=out_dir))
+    if check is not None:
+        print()
+        print(_render_check(doc, check))
+    return 0
+
+
+def _recheck(doc: dict) -> dict:
+    from memkit.estimate.memory import estimate_memory
+    from memkit.estimate.throughput import estimate_step_time
+    from memkit.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
+    from memkit.spec.hf import load_model_spec
+
+    hw = doc["hardware"]
+    try:
+        gpu = find_gpu(hw["gpu"])
+    except MemkitError:
+        gpu = custom_gpu(hw["gpu_memory_bytes"])
+    hardware = Hardware(gpu=gpu, num_gpus_per_node=hw["num_gpus_per_node"], num_nodes=hw["num_nodes"],
+                        host_ram_bytes_per_node=hw["host_ram_bytes_per_node"])
+    model = load_model_spec(doc["model"])
+    plan = TrainingPlan.from_dict(doc["plan"])
+    est = estimate_memory(model, plan, hardware)
+    speed = estimate_step_time(model, plan, hardware)
+    return {"estimate": est.to_dict(), "step_time": speed.to_dict()}
+
+
+def _render_check(doc: dict, check: dict) -> str:
+    old, new = doc["estimate"], check["estimate"]
+    rows = []
+    for key in ("nvidia_smi_peak_bytes", "reserved_peak_bytes", "allocated_peak_bytes", "host_bytes_per_node"):
+        rows.append([key, f"{old[key] / GIB:.2f} GiB", f"{new[key] / GIB:.2f} GiB",
+                     f"{(new[key] - old[key]) / GIB:+.2f} GiB"])
+    rows.append(["tokens_per_s", f"{doc['step_time']['tokens_per_s']:,.0f}",
+                 f"{check['step_time']['tokens_per_s']:,.0f}", ""])
+    budget = doc.get("budget_bytes")
+    verdict = ""
+    if budget:
+        verdict = ("\nstill fits the budget" if new["nvidia_smi_peak_bytes"] <= budget
+                   else f"\nNO LONGER FITS: {new['nvidia_smi_peak_bytes'] / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget")
+    return "re-estimated with this memkit:\n" + format_table(["", "plan.json", "now", "change"], rows,
+                                                            right={1, 2, 3}) + verdict
+
+
+def render_document(doc: dict, *, out_dir: str | None = None) -> str:
+    """The terminal view of a plan document (suggest's output; explain's too)."""
+    plan, est, speed, hw = doc["plan"], doc["estimate"], doc["step_time"], doc["hardware"]
+    req = doc.get("request", {})
+    num_gpus = hw["num_gpus_per_node"] * hw["num_nodes"]
+    device = est["device_total_bytes"]
+    budget = doc.get("budget_bytes") or device
+    seqs = plan["micro_batch_size"] * plan["grad_accum"] * plan["dp"]
+    nodes = f" ({hw['num_gpus_per_node']} per node x {hw['num_nodes']} nodes)" if hw["num_nodes"] > 1 else ""
+    lines = [f"{doc['model']} on {num_gpus} x {hw['gpu']}{nodes}, {device / GIB:.1f} GiB each; "
+             f"global batch {seqs} x {plan['seq_len']} tokens"]
+    search = doc.get("search")
+    if search:
+        took = f" in {search['seconds']:.2f} s" if "seconds" in search else ""
+        lines.append(f"searched {search['num_structures']} plan shapes with {search['num_memory_estimates']} "
+                     f"memory estimates{took}")
+    lines += ["", f"Chosen plan: {doc.get('label', '')}"]
+    precision_note = {"fp16": "mixed, fp32 master weights, dynamic loss scaling",
+                      "bf16": "mixed, fp32 master weights", "bf16-pure": "weights, grads, optimizer states in bf16",
+                      "fp32": "full precision"}[plan["precision"]]
+    offload = f"optimizer {plan['offload_optimizer']}, params {plan['offload_params']}"
+    knobs = [
+        ("precision", f"{plan['precision']} ({precision_note})"),
+        ("optimizer", plan["optimizer"]),
+        ("ZeRO stage", str(plan["zero_stage"])),
+        ("offload", offload),
+        ("checkpointing", plan["checkpointing"]),
+        ("attention", plan["attention"]),
+        ("batch", f"micro {plan['micro_batch_size']} x accum {plan['grad_accum']} x dp {plan['dp']} = "
+                  f"{seqs} sequences = {seqs * plan['seq_len']:,} tokens"),
+        ("tp / pp / dp", f"{plan['tp']} / {plan['pp']} / {plan['dp']}"),
+    ]
+    if plan["lora_rank"]:
+        knobs.append(("LoRA", f"rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
+                              f"targets {','.join(plan['lora_targets'])}"))
+    if plan["zero_stage"] >= 1:
+        buckets = f"reduce {plan['reduce_bucket_size']:,}"
+        if plan["zero_stage"] == 3:
+            buckets += (f", prefetch {plan['stage3_prefetch_bucket_size']:,}, max live "
+                        f"{plan['stage3_max_live_parameters']:,}, persistence "
+                        f"{plan['stage3_param_persistence_threshold']:,}")
+        else:
+            buckets += f", allgather {plan['allgather_bucket_size']:,}"
+        knobs.append(("ZeRO buffers", f"{buckets} elements; overlap_comm {str(plan['overlap_comm']).lower()}"))
+    knobs.append(("gradient clipping", str(plan["gradient_clipping"])))
+    left = device - est["nvidia_smi_peak_bytes"]
+    knobs += [
+        ("peak per GPU", f"{est['nvidia_smi_peak_bytes'] / GIB:.1f} GiB as nvidia-smi shows it ("
+                         f"{est['reserved_peak_bytes'] / GIB:.1f} reserved, {est['allocated_peak_bytes'] / GIB:.1f} "
+                         f"allocated) in {est['peak_phase']}"),
+        ("budget", f"{budget / GIB:.1f} GiB ({req.get('headroom', 0):.0%} headroom); "
+                   f"{left / GIB:.1f} GiB of the device left unused"),
+        ("host RAM per node", f"{est['host_bytes_per_node'] / GIB:.1f} GiB of "
+                              f"{hw.get('host_ram_bytes_per_node', 0) / GIB:.0f} GiB"),
+        ("speed", f"{speed['tokens_per_s']:,.0f} tokens/s, {speed['step_time_s']:.2f} s/step, MFU "
+                  f"{speed['mfu']:.0%} (predicted)"),
+    ]
+    width = max(len(k) for k, _ in knobs)
+    lines += [f"  {k:<{width}}  {v}" for k, v in knobs]
+    top = sorted(est["components"].items(), key=lambda kv: -kv[1])[:6]
+    lines.append(f"  {'at the peak':<{width}}  " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in top) + " GiB")
+    if doc.get("rejected"):
+        lines += ["", "Why not a faster plan:"]
+        lines.append(_indent(format_table(
+            ["plan", "why not", "tokens/s if it fit"],
+            [[r["label"], r["reason"], f"{seqs * plan['seq_len'] / r['step_time_s_if_it_fit']:,.0f}"]
+             for r in doc["rejected"]], right={2})))
+    if doc.get("alternatives"):
+        lines += ["", "Alternatives that fit:"]
+        lines.append(_indent(format_table(
+            ["#", "plan", "peak GiB", "tokens/s", "s/step", "MFU"],
+            [[i, a["label"], f"{a['nvidia_smi_peak_bytes'] / GIB:.1f}", f"{a['tokens_per_s']:,.0f}",
+              f"{a['step_time_s']:.2f}", f"{a['mfu']:.0%}"] for i, a in enumerate(doc["alternatives"], 1)],
+            right={0, 2, 3, 4, 5})))
+    notes = list(doc.get("notes", [])) + list(est.get("notes", []))
+    if notes:
+        lines += [""] + [f"note: {n}" for n in notes]
+    if out_dir:
+        from memkit.emit.bundle import launch_command
+
+        lines += ["", "Run it:", "  " + launch_command(doc, out_dir=out_dir.rstrip("/"))]
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())

@@ -1,0 +1,436 @@
+"""The training loop: Accelerate (+ DeepSpeed when the accelerate config says so) running a plan.
+
+No planning here: the plan arrives decided (config.resolve_plan) and the loop honours it.
+
+Loss normalisation. The loss of an optimizer step is the mean over every target token of the
+whole accumulation window on every data-parallel rank: sum(token losses) / T_window. Each
+micro-batch's backward gets sum(its token losses) * (accum * dp) / T_window, because both
+DeepSpeed (engine._scale_loss_by_gas) and Accelerate divide each micro-batch's loss by `accum`
+and the data-parallel all-reduce averages over `dp` ranks; what reaches the weights is then
+exactly sum / T_window, so micro 1 x accum 4 and micro 4 x accum 1 give the same update
+(the fix Hugging Face describes in "Fixing Gradient Accumulation", huggingface.co/blog/
+gradient_accumulation, 2024). T_window is known on every rank without communication because
+every rank holds the packed data set and the sampling order (data.Sharding).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from memkit.errors import MemkitError
+from memkit.plan import TrainingPlan
+from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_final_model
+from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
+from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
+
+EXIT_OOM = 3
+EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+class OutOfMemory(Exception):
+    """A rank ran out of device memory; carries what to report."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(message)
+        self.where = where
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over target tokens, in fp32.
+
+    Shift the labels, not the logits, so no copy of the logits is made beyond the fp32 upcast
+    (transformers: loss/loss_utils.py, ForCausalLMLoss does the same).
+    """
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def make_accelerator(plan: TrainingPlan, run: RunConfig):
+    """Accelerator for this launch. On CPU the process group must be gloo: Accelerate picks no
+    backend when no accelerator device is found (accelerate/state.py, _prepare_backend), so a
+    DeepSpeed run would otherwise initialise only one rank's view of the world."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = []
+    launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+    if launched:
+        kwargs = {"timeout": timedelta(seconds=run.dist_timeout_s)}
+        if not torch.cuda.is_available():
+            kwargs["backend"] = "gloo"
+        handlers.append(InitProcessGroupKwargs(**kwargs))
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    mixed = None
+    if not use_deepspeed:
+        mixed = {"fp32": "no", "bf16-pure": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision]
+    return Accelerator(kwargs_handlers=handlers, gradient_accumulation_steps=plan.grad_accum,
+                       mixed_precision=mixed)
+
+
+def build_optimizer(params, plan: TrainingPlan, run: RunConfig, *, cpu_offload: bool):
+    """The plan's optimizer. With DeepSpeed optimizer offload: DeepSpeedCPUAdam (AdamW mode), the
+    optimizer ZeRO-Offload steps on the CPU (Ren et al. 2021, Sec. 4.2)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    # Weight decay on matrices only, not biases/norms (nanoGPT: model.py, configure_optimizers).
+    groups = [{"params": decay, "weight_decay": run.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if plan.optimizer == "adamw":
+        if cpu_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps,
+                                    adamw_mode=True)
+        return torch.optim.AdamW(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
+    if cpu_offload:
+        raise MemkitError(f"--optimizer {plan.optimizer} cannot run with optimizer offload; use adamw")
+    if plan.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=run.lr, momentum=0.9)
+    if plan.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=run.lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    if plan.optimizer == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise MemkitError("--optimizer adamw-8bit needs bitsandbytes; pip install bitsandbytes "
+                              "or use adamw") from None
+        return bnb.optim.AdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
+    raise MemkitError(f"unknown optimizer {plan.optimizer!r}")
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop checkpoints at the next step boundary and exits.
+    A second signal gets the default behaviour (kill now)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old = {}
+
+    def install(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _loss_scale(accelerator, optimizer, engine) -> float | None:
+    if engine is not None:
+        inner = getattr(engine, "optimizer", None)
+        for obj in (inner, getattr(inner, "loss_scaler", None)):
+            value = getattr(obj, "cur_scale", None)
+            if value is not None:
+                return float(value)
+        return None
+    scaler = getattr(accelerator, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None else None
+
+
+class JsonlLog:
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def _versions() -> dict:
+    import accelerate
+    import transformers
+
+    import memkit
+
+    out = {"memkit": getattr(memkit, "__version__", "?"), "torch": torch.__version__,
+           "transformers": transformers.__version__, "accelerate": accelerate.__version__}
+    try:
+        import deepspeed
+
+        out["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: PackedData, tokenizer,
+          model_source, model_config, plan_doc: dict | None, tracker=None) -> dict:
+    """Run the training; return the report dict (the same on every rank)."""
+    from accelerate.utils import DistributedType
+
+    from memkit.measure.runtime import (MemoryMeter, gpu_peak_tflops, mfu, steady_median,
+                                        train_flops_per_token)
+    from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
+    from memkit.train.report import build_report
+
+    # A provisional plan decides grad accumulation / mixed precision for the Accelerator; the
+    # DeepSpeed file is only readable once Accelerate has parsed it.
+    provisional = plan_in or TrainingPlan(**{k: (tuple(v) if k == "lora_targets" else v)
+                                             for k, v in flags.items() if v is not None})
+    accelerator = make_accelerator(provisional, run)
+    is_ds = accelerator.distributed_type == DistributedType.DEEPSPEED
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if is_ds else None
+    plan = resolve_plan(plan=plan_in, flags=flags, ds_config=ds_config,
+                        world_size=accelerator.num_processes,
+                        distributed_type=str(accelerator.distributed_type).split(".")[-1])
+    if plan.grad_accum != accelerator.gradient_accumulation_steps:
+        accelerator.gradient_accumulation_steps = plan.grad_accum
+    if is_ds:
+        fill_deepspeed_autos(ds_config, plan)
+    rank, dp = accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    out_dir = run.output_dir
+    log = JsonlLog(out_dir / "log.jsonl" if main else None)
+    device = accelerator.device
+
+    # ---- model, optimizer ----
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    if has_batchnorm(model):
+        warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
+                      "statistics (each micro-batch is normalised alone), so micro x accum is not "
+                      "equivalent to one large batch for them", stacklevel=1)
+    if plan.precision == "bf16-pure" and not is_ds:
+        model = model.to(torch.bfloat16)
+    model = apply_plan(model, plan)
+    num_params, num_trainable = count_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cpu_offload = is_ds and plan.offload_optimizer != "none"
+    if is_ds and "optimizer" in ds_config:
+        # The DeepSpeed file names the optimizer (FusedAdam on GPU, DeepSpeedCPUAdam under
+        # offload): DeepSpeed builds it; Accelerate wants a placeholder (accelerate/utils/deepspeed.py).
+        from accelerate.utils import DummyOptim
+
+        optimizer = DummyOptim(params, lr=run.lr)
+    else:
+        optimizer = build_optimizer(params, plan, run, cpu_offload=cpu_offload)
+    if is_ds and cpu_offload and "optimizer" not in ds_config:
+        # We pass DeepSpeedCPUAdam ourselves (with our betas/eps); stop Accelerate from rebuilding
+        # it with lr/weight_decay only (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed).
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    model, optimizer = accelerator.prepare(model, optimizer)
+    engine = model if is_ds else None
+    meter = MemoryMeter(device, tracker=tracker)
+
+    sharding = Sharding(num_sequences=data.num_sequences, micro_batch_size=plan.micro_batch_size,
+                        grad_accum=plan.grad_accum, dp=dp, seed=run.seed, shuffle=run.shuffle)
+    manager = CheckpointManager(out_dir / "checkpoints", accelerator, keep=run.keep_checkpoints)
+    start_step, tokens_seen, resumed_from = 0, 0, None
+    resume_path = resolve_resume(run.resume, manager)
+    if resume_path is not None:
+        state = manager.load(resume_path)
+        if state.get("data_fingerprint") != data.fingerprint():
+            raise MemkitError(f"--resume {resume_path}: the data differ from the checkpoint's "
+                              f"(fingerprint {data.fingerprint()} vs {state.get('data_fingerprint')}); "
+                              "resume with the same --data, --seq-len and tokenizer")
+        start_step, tokens_seen, resumed_from = state["step"], state["tokens_seen"], str(resume_path)
+
+    flops_per_token = train_flops_per_token(
+        num_params=num_params, num_trainable_params=num_trainable,
+        num_layers=getattr(model_config, "num_hidden_layers", 0) or 0,
+        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
+    peak_tflops = gpu_peak_tflops(device, plan.precision)
+    start_record = {
+        "event": "start", "world_size": dp, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "backend": accelerator.state.backend, "device": str(device), "plan": plan.to_dict(),
+        "deepspeed_config": ds_config, "num_params": num_params, "num_trainable_params": num_trainable,
+        "data": {"source": data.source, "kind": data.kind, "num_sequences": data.num_sequences,
+                 "seq_len": data.seq_len, "num_documents": data.num_documents,
+                 "fingerprint": data.fingerprint()},
+        "lr": run.lr, "lr_scaling": run.lr_scaling_note, "max_steps": run.max_steps,
+        "start_step": start_step, "resumed_from": resumed_from, "versions": _versions(),
+        "memory_kind": meter.kind, "peak_tflops": peak_tflops}
+    log.write(start_record)
+    if main and run.lr_scaling_note:
+        print(f"memkit: {run.lr_scaling_note}", file=sys.stderr)
+
+    stop = StopFlag().install()
+    progress = None
+    if main and run.progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=run.max_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        file=sys.stderr)
+    step_times: list[float] = []
+    tokens_per_step = plan.micro_batch_size * plan.grad_accum * dp * data.seq_len
+    last_loss = None
+    losses: list[float] = []
+    interrupted_by = None
+    step = start_step
+    model.train()
+    try:
+        while step < run.max_steps:
+            t0 = time.perf_counter()
+            lr = lr_at(step, peak_lr=run.lr, warmup_steps=run.warmup_steps, max_steps=run.max_steps,
+                       decay=run.lr_decay, min_lr_ratio=run.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            window = sharding.step_indices(step)
+            window_tokens = int(data.loss_tokens[torch.as_tensor(window.reshape(-1))].sum())
+            scale = plan.grad_accum * dp / max(1, window_tokens)
+            local_loss = torch.zeros((), dtype=torch.float64)
+            grad_norm = None
+            for micro in sharding.rank_micro_batches(step, rank):
+                batch = {k: v.to(device) for k, v in data.batch(micro).items()}
+                with accelerator.accumulate(model):
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    loss_sum = causal_lm_loss_sum(logits, batch["labels"])
+                    del logits
+                    accelerator.backward(loss_sum * scale)
+                    if not is_ds:
+                        if accelerator.sync_gradients and plan.gradient_clipping > 0:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), plan.gradient_clipping)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                local_loss += loss_sum.detach().double().cpu()
+            if is_ds:
+                grad_norm = engine.get_global_grad_norm()
+                skipped = not engine.was_step_applied()
+            else:
+                skipped = bool(accelerator.optimizer_step_was_skipped)
+            # One collective per step: the window's loss sum and "does any rank want to stop".
+            if run.debug_signal_at_step is not None and step + 1 == run.debug_signal_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            stats = torch.tensor([float(local_loss), 1.0 if stop.signum else 0.0], dtype=torch.float64,
+                                 device=device)
+            if dp > 1:
+                torch.distributed.all_reduce(stats)
+            stats = stats.cpu()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step_time = time.perf_counter() - t0
+            step += 1
+            tokens_seen += tokens_per_step
+            step_times.append(step_time)
+            last_loss = float(stats[0]) / max(1, window_tokens)
+            losses.append(last_loss)
+            mem = meter.sample()
+            tokens_per_s = tokens_per_step / step_time
+            record = {"event": "step", "step": step, "loss": last_loss, "lr": lr,
+                      "tokens": tokens_per_step, "target_tokens": window_tokens, "tokens_seen": tokens_seen,
+                      "step_time_s": step_time, "tokens_per_s": tokens_per_s,
+                      "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": skipped,
+                      "loss_scale": _loss_scale(accelerator, optimizer, engine),
+                      "epoch": sharding.epoch_of(step),
+                      "mfu": mfu(tokens_per_s, flops_per_token, peak_tflops), **mem.to_dict()}
+            log.write(record)
+            if progress is not None:
+                postfix = {"loss": f"{last_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+                if mem.allocated_peak_bytes is not None:
+                    postfix["peak"] = f"{mem.allocated_peak_bytes / 2**30:.2f}GiB"
+                if record["mfu"] is not None:
+                    postfix["mfu"] = f"{record['mfu']:.1%}"
+                progress.set_postfix(postfix, refresh=False)
+                progress.update(1)
+            want_stop = float(stats[1]) > 0
+            periodic = run.save_every and step % run.save_every == 0 and step < run.max_steps
+            if periodic or want_stop:
+                crash = run.debug_crash_in_save_at_step == step
+                path = manager.save(step, _trainer_state(step, tokens_seen, data, plan, run, dp),
+                                    crash_before_publish=crash)
+                log.write({"event": "checkpoint", "step": step, "path": str(path)})
+            if want_stop:
+                interrupted_by = stop.signum or signal.SIGTERM
+                break
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(f"step {step + 1}", str(exc).splitlines()[0]) from None
+    finally:
+        stop.restore()
+        if progress is not None:
+            progress.close()
+
+    # ---- end of run ----
+    final_dir = None
+    if interrupted_by is None and run.save_final:
+        final_dir = out_dir / "final"
+        lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
+        save_final_model(accelerator, model, tokenizer, final_dir, lora_scaling=lora_scaling)
+        _save_probe(accelerator, model, data, out_dir / "probe_logits.pt", device)
+    mem = meter.sample()
+    peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
+                          mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
+                         dtype=torch.float64, device=device)
+    if dp > 1:
+        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    peaks = [int(v) for v in peaks.cpu().tolist()]
+    tokens_per_s = steady_median([tokens_per_step / t for t in step_times])
+    report = build_report(
+        status="interrupted" if interrupted_by else "ok", plan=plan, plan_doc=plan_doc,
+        steps_done=step, start_step=start_step, losses=losses,
+        measured={"memory_kind": meter.kind, "allocated_peak_bytes": peaks[0] if mem.allocated_peak_bytes is not None else None,
+                  "reserved_peak_bytes": peaks[1] if mem.reserved_peak_bytes is not None else None,
+                  "device_used_peak_bytes": peaks[2] if mem.device_used_peak_bytes is not None else None,
+                  "host_rss_peak_bytes": peaks[3], "tokens_per_s": tokens_per_s,
+                  "step_time_s": steady_median(step_times),
+                  "mfu": mfu(tokens_per_s or 0.0, flops_per_token, peak_tflops)},
+        world_size=dp, distributed_type=start_record["distributed_type"],
+        final_dir=str(final_dir) if final_dir else None)
+    log.write({"event": "end", **report})
+    if main:
+        from memkit.train.report import render_report
+
+        print(render_report(report), file=sys.stderr)
+        if run.report_json is not None:
+            Path(run.report_json).write_text(json.dumps(report, indent=1, sort_keys=True))
+    # Free DeepSpeed/DDP state before the process group goes (gloo can hang at exit otherwise).
+    del model, optimizer, engine
+    accelerator.free_memory()
+    if interrupted_by is not None:
+        report["exit_code"] = EXIT_SIGNAL.get(interrupted_by, 143)
+    return report
+
+
+def _trainer_state(step: int, tokens_seen: int, data: PackedData, plan: TrainingPlan, run: RunConfig,
+                   world_size: int) -> dict:
+    return {"step": step, "tokens_seen": tokens_seen, "world_size": world_size,
+            "data_fingerprint": data.fingerprint(), "data_source": data.source, "seed": run.seed,
+            "plan": plan.to_dict(), "max_steps": run.max_steps, "saved_at": time.time()}
+
+
+def _save_probe(accelerator, model, data: PackedData, path: Path, device) -> None:
+    """Logits of the trained model on sequence 0, for checking the saved folder (collective)."""
+    probe = data.batch([0])
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"].to(device),
+                       attention_mask=probe["attention_mask"].to(device)).logits
+    if accelerator.is_main_process:
+        torch.save({"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"],
+                    "logits": logits.float().cpu(), "dtype": str(logits.dtype)}, path)
+    accelerator.wait_for_everyone()
+    model.train()
+
+
+def cleanup_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.barrier()
+        finally:
+            torch.distributed.destroy_process_group()
+

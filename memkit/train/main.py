@@ -1,0 +1,192 @@
+"""Entry point of launch/finetune.py (and `python -m memkit.train.main`) under `accelerate launch`.
+
+    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+        --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
+
+Exit codes: 0 done; 2 bad input (one line on stderr); 3 out of memory (reported, see
+report.json); 130/143 stopped by SIGINT/SIGTERM after writing a checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from memkit.errors import MemkitError
+from memkit.plan import ATTENTIONS, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+
+HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch)"
+
+
+def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> None:
+    p.add_argument("--plan", help="plan.json written by `memkit suggest --out DIR`")
+    p.add_argument("--model", help="local model folder, config.json, or catalog name "
+                                    "(default: plan.json's model)")
+    p.add_argument("--data", required=not for_wrapper,
+                   help=".jsonl (text, or prompt+completion), .txt, a datasets folder, or synthetic[:N]")
+    p.add_argument("--output-dir", required=not for_wrapper, help="log.jsonl, checkpoints/, final/")
+    p.add_argument("--max-steps", type=int, default=100, help="optimizer steps (default 100)")
+    g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
+    g.add_argument("--precision", choices=PRECISIONS)
+    g.add_argument("--optimizer", choices=OPTIMIZERS)
+    g.add_argument("--checkpointing", choices=CHECKPOINTING)
+    g.add_argument("--attention", choices=ATTENTIONS)
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--grad-accum", type=int)
+    g.add_argument("--seq-len", type=int)
+    g.add_argument("--lora-rank", type=int)
+    g.add_argument("--lora-alpha", type=int)
+    g.add_argument("--lora-dropout", type=float)
+    g.add_argument("--lora-targets", help="comma-separated module names, e.g. q_proj,v_proj")
+    g.add_argument("--gradient-clipping", type=float, help="max global grad norm (0 = off)")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
+    o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
+                   help="scale --lr from --ref-batch-size to the plan's global batch")
+    o.add_argument("--ref-batch-size", type=int, help="global batch (sequences) --lr was tuned for")
+    o.add_argument("--warmup-steps", type=int, default=0)
+    o.add_argument("--lr-decay", choices=("cosine", "linear", "constant"), default="cosine")
+    o.add_argument("--min-lr-ratio", type=float, default=0.1)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--no-shuffle", action="store_true")
+    c = p.add_argument_group("checkpoints and measurement")
+    c.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on "
+                                                              "SIGTERM/SIGINT)")
+    c.add_argument("--keep-checkpoints", type=int, default=2)
+    c.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the newest checkpoint in --output-dir, or from PATH")
+    c.add_argument("--no-save-final", action="store_true", help="do not write output-dir/final")
+    c.add_argument("--measure", choices=("auto", "off"), default="auto",
+                   help="auto: CUDA allocator counters, or live-tensor tracking on CPU")
+    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--report-json", help="also write the end report here")
+    c.add_argument("--dist-timeout-s", type=int, default=1800)
+    c.add_argument("--debug-signal-at-step", type=int, help=argparse.SUPPRESS)
+    c.add_argument("--debug-crash-in-save-at-step", type=int, help=argparse.SUPPRESS)
+
+
+def plan_flags(args: argparse.Namespace) -> dict:
+    targets = args.lora_targets
+    return {"precision": args.precision, "optimizer": args.optimizer, "checkpointing": args.checkpointing,
+            "attention": args.attention, "micro_batch_size": args.micro_batch_size,
+            "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
+            "lora_targets": tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
+            "gradient_clipping": args.gradient_clipping}
+
+
+def prepare(args: argparse.Namespace):
+    """Everything that can fail on bad input, before any process group exists:
+    (plan or None, plan_doc, flags, RunConfig, model source, model config, tokenizer, data)."""
+    from memkit.train.config import RunConfig, plan_model_name, read_plan_file, scaled_lr
+    from memkit.train.data import prepare_data
+    from memkit.train.model import load_config, max_positions, resolve_model
+    from memkit.train.tokenizer import load_tokenizer
+
+    plan, plan_doc = (None, None)
+    if args.plan:
+        plan, plan_doc = read_plan_file(args.plan)
+    flags = plan_flags(args)
+    model_name = args.model or (plan_model_name(plan_doc) if plan_doc else None)
+    if not model_name:
+        raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "
+                          "that names one")
+    source = resolve_model(model_name)
+    config = load_config(source)
+    seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
+    if seq_len is None:
+        raise MemkitError("no sequence length: pass --seq-len or a --plan")
+    tokenizer = load_tokenizer(source.folder if source.has_weights or source.folder else None,
+                               vocab_size=config.vocab_size)
+    data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
+                        vocab_size=config.vocab_size, seed=args.seed)
+    micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
+    accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    global_batch = micro * accum * world
+    lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
+                         ref_batch_size=args.ref_batch_size)
+    run = RunConfig(
+        model=model_name, data=args.data, output_dir=Path(args.output_dir), max_steps=args.max_steps,
+        lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
+        lr_decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+        seed=args.seed, shuffle=not args.no_shuffle, save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save_final,
+        measure=args.measure, progress=not args.no_progress, dist_timeout_s=args.dist_timeout_s,
+        report_json=Path(args.report_json) if args.report_json else None,
+        debug_signal_at_step=args.debug_signal_at_step,
+        debug_crash_in_save_at_step=args.debug_crash_in_save_at_step).validate()
+    if flags["seq_len"] is None and plan is None:
+        flags["seq_len"] = seq_len
+    return plan, plan_doc, flags, run, source, config, tokenizer, data
+
+
+def _oom_report(args, where: str, message: str) -> None:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+    reserved = int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
+    report = {"status": "oom", "where": where, "error": message, "rank": rank,
+              "measured": {"allocated_peak_bytes": peak, "reserved_peak_bytes": reserved}}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"oom.rank{rank}.json").write_text(json.dumps(report, indent=1))
+    if args.report_json:
+        Path(args.report_json).write_text(json.dumps(report, indent=1))
+    sys.stderr.write(f"finetune: out of memory on rank {rank} at {where}: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="finetune", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        prepared = prepare(args)
+    except MemkitError as exc:
+        if rank == 0:
+            sys.stderr.write(f"finetune: error: {exc}\n")
+        return exc.exit_code
+    plan, plan_doc, flags, run, source, config, tokenizer, data = prepared
+
+    import torch
+
+    from memkit.train.loop import EXIT_OOM, OutOfMemory, cleanup_distributed, train
+
+    tracker = None
+    if args.measure == "auto" and not torch.cuda.is_available():
+        from memkit.measure.live_tensors import LiveTensorTracker
+
+        tracker = LiveTensorTracker(keep_history=False)
+    try:
+        with tracker if tracker is not None else _Null():
+            report = train(plan_in=plan, flags=flags, run=run, data=data, tokenizer=tokenizer,
+                           model_source=source, model_config=config, plan_doc=plan_doc, tracker=tracker)
+    except MemkitError as exc:
+        if rank == 0:
+            sys.stderr.write(f"finetune: error: {exc}\n")
+        sys.stderr.flush()
+        os._exit(exc.exit_code)  # peers may wait in a collective; do not hang in teardown
+    except (OutOfMemory, torch.OutOfMemoryError) as exc:
+        where = getattr(exc, "where", "init")
+        _oom_report(args, where, str(exc).splitlines()[0] if str(exc) else "out of memory")
+        sys.stderr.flush()
+        os._exit(EXIT_OOM)  # the launcher then stops the other ranks
+    cleanup_distributed()
+    return int(report.get("exit_code", 0))
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

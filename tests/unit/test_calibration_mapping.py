@@ -1,0 +1,90 @@
+"""Every published GPU measurement maps to memkit objects (or is skipped with a stated reason), and
+every regression row gets a finite prediction. No accuracy thresholds here: the accuracy report is
+benchmarks/memory_accuracy.py."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from memkit.calibration import as_sequence_classifier, cases_for_record, score
+from memkit.spec.hf import load_model_spec
+
+REPO = Path(__file__).resolve().parents[2]
+CALIBRATION = REPO.parent / "shared" / "calibration" / "published_gpu_measurements.jsonl"
+CONFIGS = REPO / "benchmarks" / "calibration_configs"
+
+pytestmark = pytest.mark.skipif(not CALIBRATION.is_file(), reason=f"calibration file not found: {CALIBRATION}")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    with CALIBRATION.open() as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def outcomes(records):
+    return [score(case) for record in records for case in cases_for_record(record, configs_dir=CONFIGS)]
+
+
+def test_file_holds_the_96_documented_records(records):
+    assert len(records) == 96  # SOURCES.md: "96 in total"
+    assert len({r["id"] for r in records}) == 96
+
+
+def test_every_record_maps_or_states_why_not(records, outcomes):
+    by_record = {o.case.case_id.split(":")[0] for o in outcomes}
+    assert by_record == {r["id"] for r in records}
+    for o in outcomes:
+        assert not o.error, f"{o.case.case_id}: {o.error}"
+        if o.case.kind == "skip":
+            assert o.case.skip_reason, o.case.case_id
+        else:
+            assert o.case.model is not None and o.case.plan is not None, o.case.case_id
+    skipped = sorted(o.case.case_id for o in outcomes if o.case.kind == "skip")
+    # Only QLoRA runs (4-bit base weights) are outside what a plan can express.
+    assert len(skipped) == 11 and all("QLoRA" in o.case.skip_reason for o in outcomes if o.case.kind == "skip")
+
+
+def test_regression_rows_have_finite_positive_predictions(outcomes):
+    rows = [o for o in outcomes if o.case.kind in ("regression", "activation_probe")]
+    assert len(rows) == 74  # 68 whole-run peaks + 6 per-layer activation probes
+    for o in rows:
+        assert o.predicted_bytes and o.predicted_bytes > 0, o.case.case_id
+        assert math.isfinite(o.error_pct), o.case.case_id
+
+
+def test_bound_rows_get_a_verdict(outcomes):
+    bounds = [o for o in outcomes if o.case.kind in ("oom", "max_fit_batch")]
+    assert len(bounds) == 12  # 6 OOM records, 5 max-fit records, 1 derived "DDP OOMs at bs=1"
+    assert all(o.passed in (True, False) for o in bounds)
+
+
+def test_metric_follows_what_the_source_measured(outcomes):
+    metric = {o.case.case_id: o.case.metric for o in outcomes}
+    assert metric["hfdoc-bert-1"] == "nvidia_smi"       # NVML used
+    assert metric["lit-lora-1gpu-1"] == "allocated"     # torch.cuda.max_memory_allocated
+    assert metric["titan-t1-1"] == "reserved"           # memory_stats reserved_bytes.all.peak
+    assert metric["peft-t0_3b-lora"] == "allocated"     # TorchTracemalloc
+    assert metric["mle-actlayer-llama-3.1-8b"] == "block_saved"
+
+
+def test_lora_mapping_reproduces_published_trainable_counts(outcomes):
+    # lit-gpt prints these counts (resource-tables.md): r=8 on query and value.
+    published = {"lit-lora-1gpu-1": 1_572_864, "lit-lora-1gpu-11": 4_194_304}
+    for o in outcomes:
+        if o.case.case_id in published:
+            plan = o.case.plan
+            assert o.case.model.lora_params(plan.lora_rank, plan.lora_targets) == published[o.case.case_id]
+
+
+def test_sequence_classifier_head_replaces_the_mlm_head():
+    bert = load_model_spec("bert-large-uncased")
+    cls = as_sequence_classifier(bert, num_labels=2)
+    # sum(p.numel()) of AutoModelForSequenceClassification.from_config(bert-large-uncased config,
+    # num_labels=2) built on the meta device with transformers 5.24: 335,143,938.
+    assert cls.num_params == 335_143_938
+    assert cls.vocab_size == 2 and cls.embedding_params == bert.embedding_params
