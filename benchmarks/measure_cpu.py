@@ -115,6 +115,9 @@ DEEPSPEED_ROWS = [
     _ds("ds-z2-bf16-offload", zero_stage=2, offload_optimizer="cpu"),
     _ds("ds-z3-bf16-offload", zero_stage=3, offload_optimizer="cpu"),
     _ds("ds-z2-fp32-offload", zero_stage=2, precision="fp32", offload_optimizer="cpu"),
+    _ds("ds-z1-bf16-accum2", zero_stage=1, grad_accum=2),
+    _ds("ds-z2-bf16-accum2", zero_stage=2, grad_accum=2),
+    _ds("ds-z2-bf16-overlap", zero_stage=2, overlap_comm=True),
     _ds("ds-z2-bf16-ckpt-accum2", zero_stage=2, checkpointing="full", grad_accum=2),
     _ds("ds-z3-bf16-ckpt", zero_stage=3, checkpointing="full"),
 ]
@@ -131,14 +134,29 @@ def versions() -> dict:
 
 
 def run_single(row: dict, num_steps: int) -> dict:
+    """Measure one row in a fresh process: module-level caches (masks, rotary tables) left by an
+    earlier row would otherwise be reused uncounted."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--single-worker", row["id"],
+               "--steps", str(num_steps), "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{row['id']}: worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def _single_worker(row_id: str, num_steps: int, out: Path) -> int:
     from memkit.measure.cpu_step import count_params, measure_training
 
+    row = next(r for r in SINGLE_ROWS if r["id"] == row_id)
     config = ARCHS[row["arch"]]
     counts = count_params(config, row["plan"])
     gc.collect()
     measured = measure_training(config, row["plan"], num_steps=num_steps, **row["extra"])
-    gc.collect()
-    return {**counts, "measured": measured}
+    out.write_text(json.dumps({**counts, "measured": measured}))
+    return 0
 
 
 def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900) -> dict:
@@ -172,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per row (>= 2)")
     parser.add_argument("--port", type=int, default=29531)
     parser.add_argument("--list", action="store_true", help="print the row ids and exit")
+    parser.add_argument("--single-worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.single_worker:
+        return _single_worker(args.single_worker, args.steps, args.out)
 
     rows = [r for r in SINGLE_ROWS + DEEPSPEED_ROWS
             if args.only in ("all", r["kind"] if r["kind"] == "single" else "deepspeed")]

@@ -6,7 +6,7 @@ import argparse
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
-from memkit.units import format_bytes, parse_bytes
+from memkit.units import GIB, format_bytes, parse_bytes
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -20,7 +20,8 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", help="GPU memory instead of --gpu, e.g. 24GiB")
     g.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default 1)")
     g.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
-    g.add_argument("--host-ram", help="host RAM per node for offload (default 256GiB)")
+    g.add_argument("--host-ram", help="host RAM per node (default 128GiB per GPU, at least 64GiB: "
+                   "a typical GPU server's share; pass what your nodes have)")
 
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
@@ -32,10 +33,12 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
         gpu = custom_gpu(parse_bytes(args.gpu_memory, what="--gpu-memory"))
     else:
         raise MemkitError("no GPU given; pass --gpu NAME (see `memkit gpus`) or --gpu-memory 24GiB")
-    kwargs = {}
     if getattr(args, "host_ram", None):
-        kwargs["host_ram_bytes_per_node"] = parse_bytes(args.host_ram, what="--host-ram")
-    return Hardware(gpu=gpu, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes, **kwargs).validate()
+        host_ram = parse_bytes(args.host_ram, what="--host-ram")
+    else:  # 8-GPU servers ship 1-2 TiB (DGX A100 1 TiB, DGX H100 2 TiB); workstations less.
+        host_ram = max(64 * GIB, 128 * GIB * max(args.num_gpus, 1))
+    return Hardware(gpu=gpu, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
+                    host_ram_bytes_per_node=host_ram).validate()
 
 
 def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> None:

@@ -84,8 +84,9 @@ def _render_check(doc: dict, check: dict) -> str:
     budget = doc.get("budget_bytes")
     verdict = ""
     if budget:
-        verdict = ("\nstill fits the budget" if new["nvidia_smi_peak_bytes"] <= budget
-                   else f"\nNO LONGER FITS: {new['nvidia_smi_peak_bytes'] / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget")
+        peak = new["nvidia_smi_peak_bytes"]
+        verdict = ("\nstill fits the budget" if peak <= budget
+                   else f"\nNO LONGER FITS: {peak / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget")
     return "re-estimated with this memkit:\n" + format_table(["", "plan.json", "now", "change"], rows,
                                                             right={1, 2, 3}) + verdict
 

@@ -162,6 +162,9 @@ def readme(document: dict, *, out_dir: str) -> str:
         "```",
         "",
     ]
+    if plan["checkpointing"] == "full":
+        lines += ["The plan counts on activation checkpointing of every decoder block "
+                  "(`model.gradient_checkpointing_enable()`; Trainer: gradient checkpointing on).", ""]
     if plan["optimizer"] in ("adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]

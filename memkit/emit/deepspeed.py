@@ -131,7 +131,6 @@ def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: flo
         "adam_epsilon": ADAM_EPS,
         "bf16": plan.precision in ("bf16", "bf16-pure"),
         "fp16": plan.precision == "fp16",
-        "gradient_checkpointing": plan.checkpointing == "full",
     }
     return args
 

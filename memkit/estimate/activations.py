@@ -47,11 +47,13 @@ class Numerics:
 
 def numerics(plan: TrainingPlan) -> Numerics:
     """fp32: all fp32. DeepSpeed fp16/bf16 and bf16-pure: the module itself is cast to 16 bits
-    (deepspeed/runtime/engine.py, _configure_distributed_model). torch engine fp16/bf16: fp32
-    weights under autocast (torch.autocast, as Accelerate's mixed_precision does)."""
+    (deepspeed/runtime/engine.py, _configure_distributed_model). FSDP mixed precision
+    (torch engine, ZeRO-3) gathers each unit in bf16 and computes in it
+    (torch/distributed/fsdp MixedPrecisionPolicy param_dtype). Other torch-engine fp16/bf16:
+    fp32 weights under autocast (torch.autocast, as Accelerate's mixed_precision does)."""
     if plan.precision == "fp32":
         return Numerics(weight_itemsize=4, autocast=None)
-    if plan.precision == "bf16-pure" or plan.engine == "deepspeed":
+    if plan.precision == "bf16-pure" or plan.engine == "deepspeed" or plan.zero_stage == 3:
         return Numerics(weight_itemsize=2, autocast=None)
     return Numerics(weight_itemsize=4, autocast=2)
 
@@ -85,7 +87,7 @@ class _BlockReplay:
         # peft keeps adapter weights in fp32 (autocast_adapter_dtype=True, peft/tuners/lora/
         # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
         self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
-        self.uses_scores = False
+        self.uses_scores = False  # set when the block keeps s^2 attention probabilities
 
     # -- pieces ---------------------------------------------------------------
     def norm(self, x: Sym) -> Sym:
@@ -116,12 +118,24 @@ class _BlockReplay:
         spec, tape, tp, t = self.spec, self.tape.region("attention"), self.tp, self.tokens
         heads, kv = spec.num_attention_heads // tp, max(1, spec.num_key_value_heads // tp)
         d = spec.head_dim
+        q_numel, kv_numel = t * heads * d, t * kv * d
+        rope = spec.position_embedding == "rope"
+        # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
+        # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
+        # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
+        eager = self.plan.attention == "eager" or (self.device == "cpu" and spec.attention_dropout > 0)
         if "qkv" in self.roles:
+            # One fused projection split into strided views (GPT-2 c_attn, Phi-3 qkv_proj, Falcon,
+            # BLOOM, GPT-NeoX query_key_value); rope writes new q and k; v stays a view.
             qkv = self.proj(y, self.roles["qkv"], split=True)
-            # q, k, v are views of one output; whatever saves a view keeps the whole storage.
-            q = k = v = qkv
-            if spec.position_embedding == "rope":  # rope makes new q, k (v stays a view)
-                q, k = Sym(t * heads * d, qkv.itemsize), Sym(t * kv * d, qkv.itemsize)
+            q = Sym(q_numel, qkv.itemsize) if rope else None
+            k = Sym(kv_numel, qkv.itemsize) if rope else None
+            if eager:  # matmul's reshape copies every strided view it is given
+                q = q or Sym(q_numel, qkv.itemsize)
+                k = k or Sym(kv_numel, qkv.itemsize)
+                v = Sym(kv_numel, qkv.itemsize)
+            else:  # SDPA saves the views themselves: each keeps the fused storage alive
+                q, k, v = q or qkv, k or qkv, qkv
         else:
             q = self.proj(y, self.roles["q"], split=True)
             k = self.proj(y, self.roles["k"], split=True)
@@ -133,29 +147,49 @@ class _BlockReplay:
                 k = self.tape.rms_norm_llama(k, d, weight_grad=self.train_weights,
                                              weight_itemsize=self.num.weight_itemsize)
                 self.tape.region("attention")
-            if spec.position_embedding == "rope":
+            if rope:
                 # q*cos + rotate_half(q)*sin: the muls save only cos/sin (no grad); output is new.
                 q, k = Sym(q.numel, q.itemsize), Sym(k.numel, k.itemsize)
-        # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
-        # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
-        # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
-        math_path = self.device == "cpu" and spec.attention_dropout > 0
-        if self.plan.attention == "eager" or math_path:
+        if eager:
             self.uses_scores = True
             if kv != heads:  # repeat_kv copies k and v to every query head (sdpa_attention.py)
-                k, v = Sym(t * heads * d, k.itemsize), Sym(t * heads * d, v.itemsize)
+                k, v = Sym(q_numel, k.itemsize), Sym(q_numel, v.itemsize)
             out = tape.eager_attention(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
                                        dropout=spec.attention_dropout > 0,
-                                       softmax_fp32=spec.model_type in _SOFTMAX_IN_FP32)
+                                       softmax_fp32=spec.model_type in _SOFTMAX_IN_FP32,
+                                       out_numel=q_numel)
         else:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
-            out = tape.sdpa(q, k, v, heads=heads, tokens=t)
+            out = tape.sdpa(q, k, v, heads=heads, tokens=t, out_numel=q_numel)
         out = tape.contiguous_copy(out)  # attn_output.transpose(1, 2).contiguous()
-        o = self.proj(out, self.roles["o"], split=False)
-        return o
+        return self.proj(out, self.roles["o"], split=False)
+
+    def moe(self, y: Sym) -> Sym:
+        """Sparse MoE block (transformers/models/mixtral/modeling_mixtral.py): the router's fp32
+        softmax over experts, then per routed token a gathered copy of its hidden state, the
+        expert's fused gate_up output, the activation, the product, and the down projection
+        scaled by its routing weight (Fedus et al. 2021, Sec. 2.2: k experts per token)."""
+        tape, spec = self.tape.region("mlp"), self.spec
+        router = self.roles["router"]
+        logits = self.proj(y, router, split=False)
+        tape.save(Sym(logits.numel, 4, True))  # softmax(router_logits, dtype=float) output
+        routed = self.tokens * spec.num_experts_per_tok
+        a = self.num.autocast or self.num.weight_itemsize
+        inter = spec.intermediate_size // self.tp
+        x_sel = Sym(routed * spec.hidden_size, y.itemsize, True)  # hidden_states[token_idx]
+        gate_up = Sym(routed * 2 * inter, a, True)
+        tape.save(self.tape._autocast_in(x_sel), gate_up)      # linear input; act/mul read the views
+        act_out = Sym(routed * inter, a, True)
+        prod = Sym(routed * inter, a, True)
+        tape.save(act_out, prod)                                 # mul saves act_out; down saves prod
+        down = Sym(routed * spec.hidden_size, a, True)
+        tape.save(down)                                          # * routing weight saves both
+        return Sym(self.tokens * spec.hidden_size, y.itemsize, True)
 
     def mlp(self, y: Sym) -> Sym:
+        if self.spec.is_moe:
+            return self.moe(y)
         tape = self.tape.region("mlp")
         act = self.spec.hidden_act
         if self.spec.gated_mlp:
@@ -180,7 +214,7 @@ class _BlockReplay:
         if act in _PYTHON_GELU:
             # 0.5*x*(1+tanh(c*(x+0.044715*pow(x,3)))) (transformers/activations.py NewGELUActivation)
             tape.pow(x)
-            inner = Sym(x.numel, 4 if tape.autocast else x.itemsize, x.requires_grad)
+            inner = Sym(x.numel, tape._fp32_op(x).itemsize, x.requires_grad)
             th = tape.tanh(inner)
             one_plus = Sym(th.numel, th.itemsize, True)
             half_x = tape.scale(x)
@@ -232,10 +266,6 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
     if replay.uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
-    if spec.is_moe:
-        # Each token visits num_experts_per_tok experts: their MLP intermediates scale with k
-        # (Fedus et al. 2021, Sec. 2.2); the router logits are small.
-        saved += (spec.num_experts_per_tok - 1) * replay.tape.labels.get("mlp", 0)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
                             backward_transient_bytes=transient, by_label=dict(replay.tape.labels))
 

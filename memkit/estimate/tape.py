@@ -6,8 +6,9 @@ Each op below mirrors what the matching PyTorch autograd node saves
 input only when the weight needs grad and the weight only when the input does; `silu`/`gelu`
 save their input; `tanh`/`softmax`/`log_softmax` save their output; `add`, casts, views, `cat`
 save nothing. Under autocast the dtype rules follow torch/csrc/autograd/autocast_mode.cpp:
-`linear`/`matmul`/`sdpa` run in the low dtype (casting each non-leaf input afresh per call),
-`pow`/`layer_norm`/`log_softmax`/`softmax` run in fp32, everything else promotes.
+`linear`/`matmul`/`sdpa` run in the low dtype (casting each non-leaf input afresh per call);
+on CUDA `pow`/`layer_norm`/`softmax` run in fp32 (CPU autocast's fp32 list has none of them);
+everything else promotes.
 
 Counting saved tensors by identity (a tensor saved by two ops counts once) is what makes the
 estimate exact for the blocks HF writes; tests compare it with live-tensor measurements.
@@ -66,6 +67,10 @@ class Tape:
             return x
         return Sym(x.numel, itemsize, x.requires_grad)
 
+    def _fp32_op(self, x: Sym) -> Sym:
+        """Input of an op on CUDA autocast's fp32 list (pow, layer_norm, softmax)."""
+        return self.cast(x, 4) if (self.autocast and self.device == "cuda") else x
+
     def _autocast_in(self, x: Sym) -> Sym:
         """Autocast casts a non-leaf input to the low dtype afresh on every call."""
         return self.cast(x, self.autocast) if self.autocast else x
@@ -116,7 +121,7 @@ class Tape:
         return out
 
     def pow(self, x: Sym) -> Sym:
-        xin = self.cast(x, 4) if self.autocast else x
+        xin = self._fp32_op(x)
         if x.requires_grad:
             self.save(xin)
         return Sym(x.numel, xin.itemsize, x.requires_grad)
@@ -152,7 +157,7 @@ class Tape:
 
     def layer_norm(self, x: Sym) -> Sym:
         """aten native_layer_norm saves input (and per-row mean/rstd); autocast runs it in fp32."""
-        xin = self.cast(x, 4) if self.autocast else x
+        xin = self._fp32_op(x)
         if x.requires_grad:
             self.save(xin)
         return Sym(x.numel, xin.itemsize, True)
@@ -160,26 +165,29 @@ class Tape:
     def contiguous_copy(self, x: Sym) -> Sym:
         return Sym(x.numel, x.itemsize, x.requires_grad)
 
-    def sdpa(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int) -> Sym:
-        """Flash / memory-efficient SDPA: saves q, k, v, output and the fp32 logsumexp (b*heads*s)."""
+    def sdpa(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, out_numel: int) -> Sym:
+        """Flash / memory-efficient SDPA: saves q, k, v (a view keeps its whole storage), the
+        output and the fp32 logsumexp (b*heads*s) (ScaledDotProductFlashAttention*Backward)."""
         if self.autocast:
             q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
-        out = Sym(q.numel, q.itemsize, True)
+        out = Sym(out_numel, q.itemsize, True)
         self.save(q, k, v, out, Sym(heads * tokens, 4, False))
         return out
 
     def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
-                        dropout: bool, softmax_fp32: bool) -> Sym:
+                        dropout: bool, softmax_fp32: bool, out_numel: int) -> Sym:
         """transformers eager_attention_forward: softmax(q k^T * scale + mask).to(v) @ v; Llama-style
-        models ask softmax for fp32, GPT-2/BERT-style ones run it in the scores' dtype (autocast: fp32)."""
+        models ask softmax for fp32, GPT-2/BERT-style ones run it in the scores' dtype (autocast: fp32).
+        torch.matmul flattens batch dims with reshape, so q/k/v given as strided views of a fused
+        projection are saved as fresh contiguous copies (callers pass those)."""
         if self.autocast:
             q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
         self.save(q, k)  # matmul(q, k^T)
         numel = heads * tokens * seq_len
-        probs_raw = Sym(numel, 4 if (softmax_fp32 or self.autocast) else q.itemsize, True)
+        probs_raw = Sym(numel, 4 if softmax_fp32 else self._fp32_op(q).itemsize, True)
         self.save(probs_raw)  # softmax saves its output
         probs = self.cast(probs_raw, q.itemsize)
         if dropout:
             probs = self.dropout(probs)
         self.save(probs, v)  # matmul(probs, v)
-        return Sym(q.numel, q.itemsize, True)
+        return Sym(out_numel, q.itemsize, True)

@@ -21,18 +21,34 @@ from memkit.plan import TrainingPlan
 PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
-def build_config(model_config: dict):
-    """An HF PretrainedConfig from a dict with 'model_type' and the config keys."""
+def load_model_config(source) -> dict:
+    """A model config dict from a dict or the path of an HF config.json (with 'model_type')."""
+    if isinstance(source, dict):
+        return dict(source)
+    import json
+    from pathlib import Path
+
+    path = Path(source)
+    if not path.is_file():
+        raise MemkitError(f"model config {str(source)!r} is not a file; pass an HF config.json path")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MemkitError(f"model config {str(source)!r} is not valid JSON ({exc}); fix the file") from None
+
+
+def build_config(model_config):
+    """An HF PretrainedConfig from a dict (or config.json path) with 'model_type' and the config keys."""
     from transformers import AutoConfig
 
-    data = dict(model_config)
+    data = load_model_config(model_config)
     model_type = data.pop("model_type", None)
     if model_type is None:
         raise MemkitError("model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
     return AutoConfig.for_model(model_type, **data)
 
 
-def build_model(model_config: dict, plan: TrainingPlan, *, seed: int = 0,
+def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
                 checkpoint_reentrant: bool = False):
     """Model as `plan` trains it: dtype, attention kernel, checkpointing, LoRA. Seeded."""
     import torch
@@ -86,7 +102,7 @@ def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def measure_training(model_config: dict, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
+def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
                      lr: float = 1e-4, foreach: bool = True, checkpoint_reentrant: bool = False) -> dict:
     """Run `num_steps` real optimizer steps under a LiveTensorTracker; return the measured figures.
 
@@ -154,7 +170,7 @@ def measure_training(model_config: dict, plan: TrainingPlan, *, num_steps: int =
     }
 
 
-def count_params(model_config: dict, plan: TrainingPlan) -> dict:
+def count_params(model_config, plan: TrainingPlan) -> dict:
     """Distinct parameter and trainable-parameter counts of the model `plan` trains (ties counted once)."""
     model = build_model(model_config, plan)
     seen: dict[int, Any] = {}
@@ -179,12 +195,17 @@ def _components(tracker, model, optimizer) -> dict:
     grads = [p.grad for p in params if p.grad is not None]
     params_bytes = tracker.bytes_of(params)
     grads_bytes = tracker.bytes_of(grads)
-    optimizer_bytes = tracker.bytes_of(list(_optimizer_tensors(optimizer)))
+    states = list(_optimizer_tensors(optimizer))
+    # 0-dim tensors are per-parameter step counters (torch.optim AdamW keeps `step` as a tensor).
+    optimizer_bytes = tracker.bytes_of([t for t in states if t.dim() > 0])
+    optimizer_scalar_bytes = tracker.bytes_of([t for t in states if t.dim() == 0])
     buffers_bytes = tracker.bytes_of(list(model.buffers()))
     live = tracker.live_bytes
     return {"live_bytes": live, "params_bytes": params_bytes, "grads_bytes": grads_bytes,
-            "optimizer_bytes": optimizer_bytes, "buffers_bytes": buffers_bytes,
-            "other_bytes": live - params_bytes - grads_bytes - optimizer_bytes - buffers_bytes}
+            "optimizer_bytes": optimizer_bytes, "optimizer_scalar_bytes": optimizer_scalar_bytes,
+            "buffers_bytes": buffers_bytes,
+            "other_bytes": live - params_bytes - grads_bytes - optimizer_bytes - optimizer_scalar_bytes
+            - buffers_bytes}
 
 
 def _phase_summary(tracker, records) -> dict:

@@ -194,8 +194,9 @@ class _Pruner:
           shrink with more CPU offload (offloading moves bytes to the host).
     So if the leanest plan of a (ZeRO stage, precision, optimizer, layout) group misses the
     device budget, the whole group does (a); if one plan misses host RAM, so do its
-    checkpointing / overlap / micro-batch siblings and its more-offloaded (CPU) siblings (b). ZeRO stages are not ordered: ZeRO-3's
-    prefetch buffers can exceed ZeRO-2's full 16-bit weights on small models."""
+    checkpointing / overlap / micro-batch siblings and its more-offloaded (CPU) siblings (b).
+    ZeRO stages are not ordered: ZeRO-3's prefetch buffers can exceed ZeRO-2's full 16-bit
+    weights on small models, and ZeRO-1 on one GPU keeps more than DeepSpeed's ZeRO-0."""
 
     def __init__(self, ev: _Evaluator, structs: list[TrainingPlan]):
         self.ev = ev

@@ -113,8 +113,9 @@ class Request:
             if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
                 ok = [t for t in (1, 2, 4, 8, 16) if model.num_attention_heads % t == 0
                       and model.num_key_value_heads % t == 0]
-                raise MemkitError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
-                                  f"/ num_key_value_heads={model.num_key_value_heads}; try --tp in {{{','.join(map(str, ok))}}}")
+                raise MemkitError(f"--tp {self.tp} does not divide num_attention_heads="
+                                  f"{model.num_attention_heads} / num_key_value_heads={model.num_key_value_heads}; "
+                                  f"try --tp in {{{','.join(map(str, ok))}}}")
             if self.tp > 1 and self.lora_rank:
                 raise MemkitError("--tp > 1 with --lora-rank: LoRA plans are data-parallel only; use --tp 1")
         if self.pp is not None:

@@ -54,9 +54,12 @@ class RunConfig:
     dist_timeout_s: int = 1800
     report_json: Path | None = None
     debug_signal_at_step: int | None = None
-    """Testing aid: every rank sends itself SIGTERM after this step (a preemption)."""
+    """Testing aid: after this step rank 0 sends SIGTERM to the launcher (its parent process), which
+    forwards it to every rank, as a scheduler's preemption does."""
     debug_crash_in_save_at_step: int | None = None
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
+    debug_oom_at_step: int | None = None
+    """Testing aid (env MEMKIT_DEBUG_OOM_AT_STEP): rank 0 raises torch.OutOfMemoryError at this step."""
 
     def validate(self) -> "RunConfig":
         if self.max_steps < 1:

@@ -56,6 +56,12 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def micro_loss_scale(*, grad_accum: int, dp: int, window_tokens: int) -> float:
+    """Factor on each micro-batch's summed token loss so that, after the framework divides by
+    grad_accum and the all-reduce averages over dp ranks, the update is sum / window_tokens."""
+    return grad_accum * dp / max(1, window_tokens)
+
+
 def make_accelerator(plan: TrainingPlan, run: RunConfig):
     """Accelerator for this launch. On CPU the process group must be gloo: Accelerate picks no
     backend when no accelerator device is found (accelerate/state.py, _prepare_backend), so a
@@ -293,9 +299,12 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
                 group["lr"] = lr
             window = sharding.step_indices(step)
             window_tokens = int(data.loss_tokens[torch.as_tensor(window.reshape(-1))].sum())
-            scale = plan.grad_accum * dp / max(1, window_tokens)
+            scale = micro_loss_scale(grad_accum=plan.grad_accum, dp=dp, window_tokens=window_tokens)
             local_loss = torch.zeros((), dtype=torch.float64)
             grad_norm = None
+            if run.debug_oom_at_step == step + 1 and rank == 0:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
+                                             "(simulated: MEMKIT_DEBUG_OOM_AT_STEP)")
             for micro in sharding.rank_micro_batches(step, rank):
                 batch = {k: v.to(device) for k, v in data.batch(micro).items()}
                 with accelerator.accumulate(model):
@@ -315,8 +324,10 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
             else:
                 skipped = bool(accelerator.optimizer_step_was_skipped)
             # One collective per step: the window's loss sum and "does any rank want to stop".
-            if run.debug_signal_at_step is not None and step + 1 == run.debug_signal_at_step:
-                os.kill(os.getpid(), signal.SIGTERM)
+            if run.debug_signal_at_step == step + 1 and rank == 0:
+                # As a scheduler would: SIGTERM to the launcher, which forwards it to every rank.
+                launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+                os.kill(os.getppid() if launched else os.getpid(), signal.SIGTERM)
             stats = torch.tensor([float(local_loss), 1.0 if stop.signum else 0.0], dtype=torch.float64,
                                  device=device)
             if dp > 1:
@@ -366,13 +377,13 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
             progress.close()
 
     # ---- end of run ----
+    mem = meter.sample()  # the training peak, before the final gather/save adds its copies
     final_dir = None
     if interrupted_by is None and run.save_final:
         final_dir = out_dir / "final"
         lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
         save_final_model(accelerator, model, tokenizer, final_dir, lora_scaling=lora_scaling)
         _save_probe(accelerator, model, data, out_dir / "probe_logits.pt", device)
-    mem = meter.sample()
     peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
                           mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
                          dtype=torch.float64, device=device)

@@ -9,9 +9,12 @@ report.json); 130/143 stopped by SIGINT/SIGTERM after writing a checkpoint.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -118,10 +121,16 @@ def prepare(args: argparse.Namespace):
         measure=args.measure, progress=not args.no_progress, dist_timeout_s=args.dist_timeout_s,
         report_json=Path(args.report_json) if args.report_json else None,
         debug_signal_at_step=args.debug_signal_at_step,
-        debug_crash_in_save_at_step=args.debug_crash_in_save_at_step).validate()
+        debug_crash_in_save_at_step=args.debug_crash_in_save_at_step,
+        debug_oom_at_step=_env_int("MEMKIT_DEBUG_OOM_AT_STEP")).validate()
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len
     return plan, plan_doc, flags, run, source, config, tokenizer, data
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def _oom_report(args, where: str, message: str) -> None:
@@ -145,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
+    warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         prepared = prepare(args)
     except MemkitError as exc:

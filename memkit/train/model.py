@@ -107,7 +107,11 @@ def apply_plan(model, plan: TrainingPlan):
     if plan.checkpointing == "full":
         # Non-reentrant checkpointing: works with frozen inputs (LoRA) and ZeRO-3
         # (torch.utils.checkpoint docs recommend use_reentrant=False).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 

@@ -46,8 +46,27 @@ def write_bundle(folder: Path, plan: TrainingPlan, *, num_gpus_per_node: int = 2
     yaml_path = folder / "accelerate.yaml"
     yaml_path.write_text(yaml.safe_dump(acc, sort_keys=False))
     plan_path = folder / "plan.json"
-    plan_path.write_text(json.dumps({"model": "tiny", "plan": plan.to_dict()}, indent=1))
+    plan_path.write_text(json.dumps(plan_document(plan, num_gpus_per_node=num_gpus_per_node,
+                                                  num_nodes=num_nodes), indent=1))
     return yaml_path, plan_path
+
+
+def plan_document(plan: TrainingPlan, *, num_gpus_per_node: int, num_nodes: int, model: str = "tiny-llama",
+                  config_path: Path | None = None) -> dict:
+    """plan.json as `memkit suggest --out` writes it (memkit's own estimate, on an A100 as the
+    nominal GPU: the CPU runs compare live-tensor bytes with `allocated_peak_bytes`)."""
+    from memkit.emit.bundle import plan_document as make_document
+    from memkit.estimate.memory import estimate_memory
+    from memkit.estimate.throughput import estimate_step_time
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import spec_from_config
+
+    spec = spec_from_config(dict(TINY_LLAMA), name=model)
+    hardware = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes)
+    hw = {"gpu": hardware.gpu.name, "num_gpus_per_node": num_gpus_per_node, "num_nodes": num_nodes}
+    return make_document(model_name=model, plan=plan, hardware=hw,
+                         memory=estimate_memory(spec, plan, hardware),
+                         speed=estimate_step_time(spec, plan, hardware), label="test")
 
 
 def env() -> dict:
@@ -75,6 +94,11 @@ def launch(config_file: Path, args: list[str], *, timeout_s: int = 240, extra_la
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGUSR1)  # finetune dumps its threads' stacks (faulthandler)
+        try:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout_s}s: {' '.join(cmd)}\n{out[-4000:]}")

@@ -22,12 +22,7 @@ from memkit.spec.hf import load_model_spec
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements.json"
 TOLERANCE = 0.05
 # Rows with a wider, stated tolerance and why (each is a known gap of the model, not noise).
-KNOWN_GAPS = {
-    # GPT-2 with dropout + checkpointing on CPU: the recomputed block runs SDPA's math path
-    # (no fused CPU kernel with dropout) and its backward keeps several s^2 gradient tensors at
-    # once; memkit prices two. CUDA's fused kernels take dropout, so GPUs do not hit this.
-    "gpt2-bf16pure-sdpa-ckpt": 0.10,
-}
+KNOWN_GAPS: dict[str, float] = {}
 ROWS = json.loads(GOLDEN.read_text())["rows"]
 
 

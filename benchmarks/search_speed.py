@@ -1,0 +1,70 @@
+"""How long `memkit suggest`'s search takes (DeepSpeed's autotuner needs tens of minutes of real
+runs for the same question). Prints a table; asserts nothing (tests never time things).
+
+    python benchmarks/search_speed.py [--repeat 5]
+
+Per row: the request, plan shapes in the space, memory estimates the branch-and-bound search
+actually made, median wall time of the whole search, and the plan it picked.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from memkit.planner import NoPlanFits, Request, search
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import load_model_spec
+from memkit.units import GIB
+
+# (model, gpu, GPUs per node, nodes, global batch, seq len, tp, pp, host RAM GiB per node)
+CASES = [
+    ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, 1, 1, 256),
+    ("llama-3.1-8b", "a100-80gb", 8, 1, 128, 4096, 1, 1, 1024),
+    ("qwen2.5-32b", "a100-40gb", 8, 1, 64, 4096, 1, 1, 1024),
+    ("llama-3.1-70b", "h100-80gb", 8, 1, 64, 4096, 1, 1, 2048),
+    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, 1, 1, 1024),
+    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, None, None, 1024),
+    ("llama-3.1-70b", "h100-80gb", 8, 8, 1024, 8192, None, None, 2048),
+    ("llama-3.1-70b", "rtx-4090", 1, 1, 8, 4096, 1, 1, 256),
+]
+
+
+def run_case(case, repeat: int) -> list[str]:
+    model_name, gpu, per_node, nodes, batch, seq, tp, pp, host_gib = case
+    request = Request(model=load_model_spec(model_name), global_batch_size=batch, seq_len=seq, tp=tp, pp=pp,
+                      hardware=Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes,
+                                        host_ram_bytes_per_node=host_gib * GIB))
+    times = []
+    outcome = ""
+    shapes = estimates = 0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        try:
+            result = search(request)
+            outcome = (f"{result.chosen.label} ({result.chosen.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB, "
+                       f"{result.chosen.speed.tokens_per_s:,.0f} tok/s)")
+            shapes, estimates = result.num_structures, result.num_memory_estimates
+        except NoPlanFits as exc:
+            outcome = f"no plan fits ({len(exc.misses)} nearest misses)"
+        times.append(time.perf_counter() - start)
+    layout = f"tp={'auto' if tp is None else tp} pp={'auto' if pp is None else pp}"
+    return [f"{model_name} {nodes}x{per_node} {gpu}", f"{batch}x{seq}", layout, str(shapes or "-"),
+            str(estimates or "-"), f"{statistics.median(times) * 1000:.0f} ms", outcome]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    from memkit.cli.render import format_table
+
+    rows = [run_case(case, args.repeat) for case in CASES]
+    print(format_table(["request (nodes x GPUs)", "batch x seq", "layout", "shapes", "estimates", "median",
+                        "chosen"], rows, right={3, 4, 5}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

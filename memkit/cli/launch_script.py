@@ -1,0 +1,185 @@
+"""memkit launch-script: a shell script that starts `accelerate launch` on every node of a plan.
+
+--slurm: an sbatch script; `srun` starts one launcher per node with machine rank
+$SLURM_NODEID and rendezvous at the first node of the allocation.
+--hostfile FILE: a bash script for hosts reached over ssh (one host per line, optional
+`slots=N` as in DeepSpeed hostfiles); host i gets machine rank i, host 0 is the rendezvous.
+Run `bash run.sh` to start every node, or `MACHINE_RANK=i bash run.sh --node` on node i.
+
+Every node runs torchrun through Accelerate's standard multi-node DeepSpeed launcher
+(`--deepspeed_multinode_launcher standard`, static rendezvous), so no pdsh is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import stat
+from pathlib import Path
+
+from memkit.cli.launching import accelerate_config_for, read_accelerate_config
+from memkit.errors import MemkitError
+
+HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
+DEFAULT_PORT = 29500
+SHUTDOWN_LINE = ("# On SIGTERM torchrun gives workers this long to write their checkpoint before SIGKILL\n"
+                 "# (torch/distributed/launcher/api.py; its default is 30 s).\n"
+                 'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"')
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan.json written by `memkit suggest --out DIR`")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--slurm", action="store_true", help="write an sbatch script")
+    how.add_argument("--hostfile", help="file with one host per line (host [slots=N])")
+    p.add_argument("--config-file", help="accelerate config (default: accelerate.yaml beside plan.json)")
+    p.add_argument("--out", default="run.sh", help="script to write (default run.sh)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on node 0")
+    p.add_argument("--num-machines", type=int, help="nodes (default: the plan's hardware)")
+    p.add_argument("--gpus-per-node", type=int, help="processes per node (default: the plan's hardware)")
+    p.add_argument("--python", default="python", help="python on the nodes (default: python)")
+    p.add_argument("finetune_args", nargs=argparse.REMAINDER,
+                   help="after --: arguments for launch/finetune.py (--data, --output-dir, ...)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from memkit.cli.launching import finetune_entry
+    from memkit.train.config import read_plan_file
+
+    plan, doc = read_plan_file(args.plan)
+    config_file = accelerate_config_for(args.plan, args.config_file)
+    if config_file is None:
+        raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file")
+    acc = read_accelerate_config(config_file)
+    hardware = doc.get("hardware") or {}
+    num_machines = args.num_machines or hardware.get("num_nodes") or int(acc.get("num_machines", 1))
+    per_node = args.gpus_per_node or hardware.get("num_gpus_per_node") or \
+        int(acc.get("num_processes", 1)) // max(1, int(acc.get("num_machines", 1)))
+    hosts: list[str] = []
+    if args.hostfile:
+        hosts, slots = read_hostfile(args.hostfile)
+        if slots is not None and args.gpus_per_node is None:
+            per_node = slots
+        if len(hosts) != num_machines:
+            raise MemkitError(f"--hostfile {args.hostfile} lists {len(hosts)} hosts but the plan needs "
+                              f"{num_machines} machines; list {num_machines} hosts or pass --num-machines")
+    if per_node * num_machines != plan.num_gpus:
+        raise MemkitError(f"{num_machines} machines x {per_node} processes = {per_node * num_machines}, but the "
+                          f"plan uses {plan.num_gpus} GPUs (dp*tp*pp); fix --num-machines/--gpus-per-node")
+    finetune_args = list(args.finetune_args)
+    if finetune_args[:1] == ["--"]:
+        finetune_args = finetune_args[1:]
+    if "--plan" not in finetune_args:
+        finetune_args = ["--plan", str(Path(args.plan).resolve()), *finetune_args]
+    entry = finetune_entry()
+    body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
+                port=args.port, python=args.python, entry=entry, finetune_args=finetune_args)
+    text = slurm_script(**body) if args.slurm else hostfile_script(hosts=hosts, **body)
+    out = Path(args.out)
+    out.write_text(text)
+    out.chmod(out.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    how = f"sbatch {out}" if args.slurm else f"bash {out}"
+    print(f"wrote {out}: {num_machines} nodes x {per_node} processes; start it with `{how}`")
+    return 0
+
+
+def read_hostfile(path: str) -> tuple[list[str], int | None]:
+    """Hosts in order, and their common slots=N if the file gives it."""
+    file = Path(path)
+    if not file.is_file():
+        raise MemkitError(f"--hostfile {path}: no such file")
+    hosts, slots = [], set()
+    for line_no, line in enumerate(file.read_text().splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        hosts.append(parts[0])
+        for part in parts[1:]:
+            key, _, value = part.partition("=")
+            if key == "slots":
+                if not value.isdigit() or int(value) < 1:
+                    raise MemkitError(f"--hostfile {path}: line {line_no}: slots={value!r} must be a positive integer")
+                slots.add(int(value))
+    if not hosts:
+        raise MemkitError(f"--hostfile {path} lists no hosts")
+    if len(slots) > 1:
+        raise MemkitError(f"--hostfile {path}: hosts have different slots {sorted(slots)}; "
+                          "memkit plans one process count per node")
+    return hosts, (slots.pop() if slots else None)
+
+
+def _launch_line(*, python: str, config: str, num_machines: int, per_node: int, rank: str, addr: str,
+                 port: str, entry: list[str], args_expr: str = '"${ARGS[@]}"') -> str:
+    """The per-node command (bash); rank/addr/port/args_expr are shell expressions."""
+    return (f"exec {shlex.quote(python)} -m accelerate.commands.launch --config_file {shlex.quote(config)} "
+            f"--num_machines {num_machines} --num_processes {num_machines * per_node} "
+            f"--machine_rank {rank} --main_process_ip {addr} --main_process_port {port} "
+            "--deepspeed_multinode_launcher standard --rdzv_backend static --same_network "
+            f"{' '.join(shlex.quote(e) for e in entry)} {args_expr}")
+
+
+def _args_array(finetune_args: list[str]) -> str:
+    return "ARGS=(" + " ".join(shlex.quote(a) for a in finetune_args) + ")"
+
+
+def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, python: str,
+                 entry: list[str], finetune_args: list[str]) -> str:
+    inner = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
+                         rank='"$SLURM_NODEID"', addr='"$MEMKIT_MASTER_ADDR"', port='"$MEMKIT_MASTER_PORT"',
+                         entry=entry, args_expr='"$@"')
+    return "\n".join([
+        "#!/bin/bash",
+        "#SBATCH --job-name=memkit",
+        f"#SBATCH --nodes={num_machines}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={per_node}",
+        "#SBATCH --exclusive",
+        "# SIGTERM reaches every launcher (srun forwards it); finetune checkpoints and exits.",
+        "#SBATCH --signal=TERM@660",
+        "# Written by `memkit launch-script --slurm`. One accelerate launcher per node.",
+        "set -euo pipefail",
+        f"cd {shlex.quote(os.getcwd())}",
+        SHUTDOWN_LINE,
+        'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        f"export MEMKIT_MASTER_PORT={port}",
+        _args_array(finetune_args),
+        f"srun --kill-on-bad-exit=1 --ntasks={num_machines} --ntasks-per-node=1 "
+        f"bash -c {shlex.quote(inner)} memkit-node \"${{ARGS[@]}}\"",
+        "",
+    ])
+
+
+def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_node: int, port: int,
+                    python: str, entry: list[str], finetune_args: list[str]) -> str:
+    node = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
+                        rank='"$MACHINE_RANK"', addr='"$MASTER_ADDR"', port='"$MASTER_PORT"', entry=entry)
+    return "\n".join([
+        "#!/bin/bash",
+        "# Written by `memkit launch-script --hostfile`.",
+        "#   bash run.sh                          start every host over ssh (host i = machine rank i)",
+        "#   MACHINE_RANK=i bash run.sh --node     run machine rank i on this host",
+        "set -euo pipefail",
+        "HOSTS=(" + " ".join(shlex.quote(h) for h in hosts) + ")",
+        f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',
+        f'MASTER_PORT="${{MEMKIT_MASTER_PORT:-{port}}}"',
+        f"WORKDIR={shlex.quote(os.getcwd())}",
+        SHUTDOWN_LINE,
+        _args_array(finetune_args),
+        'if [[ "${1:-}" == "--node" ]]; then',
+        '  : "${MACHINE_RANK:?set MACHINE_RANK to the index of this host in HOSTS}"',
+        '  cd "$WORKDIR"',
+        f"  {node}",
+        "fi",
+        'SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"',
+        "pids=()",
+        'for i in "${!HOSTS[@]}"; do',
+        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_MASTER_ADDR=$MASTER_ADDR '
+        'MEMKIT_MASTER_PORT=$MASTER_PORT bash $(printf %q "$SCRIPT") --node" &',
+        '  pids+=($!)',
+        "done",
+        "status=0",
+        'for pid in "${pids[@]}"; do wait "$pid" || status=$?; done',
+        'exit "$status"',
+        "",
+    ])

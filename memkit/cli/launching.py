@@ -1,0 +1,82 @@
+"""What `memkit train`, `verify` and `launch-script` share: where launch/finetune.py is, which
+accelerate config goes with a plan, and the `accelerate launch` command line."""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from memkit.errors import MemkitError
+
+
+def finetune_entry() -> list[str]:
+    """launch/finetune.py beside the package (checkout or editable install), else the module."""
+    script = Path(__file__).resolve().parents[2] / "launch" / "finetune.py"
+    if script.is_file():
+        return [str(script)]
+    return ["-m", "memkit.train.main"]
+
+
+def accelerate_config_for(plan_path: str | None, config_file: str | None) -> Path | None:
+    """--config-file, else accelerate.yaml beside plan.json (what `memkit suggest --out` writes)."""
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise MemkitError(f"--config-file {config_file}: no such file")
+        return path
+    if plan_path:
+        beside = Path(plan_path).parent / "accelerate.yaml"
+        if beside.is_file():
+            return beside
+    return None
+
+
+def read_accelerate_config(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise MemkitError(f"{path} is not YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise MemkitError(f"{path} is not an accelerate config (expected a mapping)")
+    return data
+
+
+def launch_command(config_file: Path | None, finetune_args: list[str]) -> list[str]:
+    """`accelerate launch --config_file X launch/finetune.py ARGS`, or plain python without a config."""
+    if config_file is None:
+        return [sys.executable, *finetune_entry(), *finetune_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+            *finetune_entry(), *finetune_args]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def to_argv(parser_actions, args, *, skip: set[str]) -> list[str]:
+    """Re-serialise the parsed flags that differ from their defaults (for the child command)."""
+    out: list[str] = []
+    for action in parser_actions:
+        if not action.option_strings or action.dest in skip or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_const
+            out.append(flag)
+        elif value == action.const and action.nargs == "?":
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def quote(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)

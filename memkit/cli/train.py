@@ -1,0 +1,53 @@
+"""memkit train: `accelerate launch` launch/finetune.py with the plan's accelerate config.
+
+    memkit train --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
+
+is the same as
+
+    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+        --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
+
+The data, model and plan are checked here first, so a bad file is one line and exit code 2
+before any process starts. Without an accelerate config (no --plan, no --config-file) the run
+is a single plain process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from memkit.cli.launching import accelerate_config_for, child_env, launch_command, quote, to_argv
+
+HELP = "fine-tune under a plan: accelerate launch launch/finetune.py with the plan's config"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from memkit.train.main import add_arguments as finetune_arguments
+
+    p.add_argument("--config-file", help="accelerate config (default: accelerate.yaml beside plan.json)")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    finetune_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memkit.train.main import add_arguments as finetune_arguments
+    from memkit.train.main import prepare
+
+    prepare(args)  # raises MemkitError (one line, exit 2) on bad data/model/plan
+    config_file = accelerate_config_for(args.plan, args.config_file)
+    parser = argparse.ArgumentParser(add_help=False)
+    finetune_arguments(parser)
+    child_args = to_argv(parser._actions, args, skip=set())
+    for required in ("--data", "--output-dir"):
+        if required not in child_args:
+            dest = required[2:].replace("-", "_")
+            child_args += [required, str(getattr(args, dest))]
+    cmd = launch_command(config_file, child_args)
+    if args.dry_run:
+        print(quote(cmd))
+        return 0
+    print(f"memkit train: {quote(cmd)}", file=sys.stderr)
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, child_env())  # signals (SIGTERM from a scheduler) reach the launcher
+    return 0  # not reached

@@ -1,0 +1,213 @@
+"""Generate presets/plans/: ready bundles for common models x GPUs x sequence lengths.
+
+    python -m memkit.presets_gen            # rewrite presets/plans/ and presets/README.md
+    python -m memkit.presets_gen --check    # exit 1 if a committed preset is stale (CI does this)
+
+Each preset is what `memkit suggest --out presets/plans/<name>` writes for its request (three
+files: accelerate.yaml, ds_config.json, plan.json); presets/README.md tables them. Which
+requests: every model x card x {full fine-tuning, LoRA} at 4k tokens, on the fewest GPUs of that
+card (1, 2, 4 or 8) that fit it and on a full 8-GPU node; plus 2k and 8k tokens for the 8B model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from memkit.presets_dir import presets_dir
+from memkit.units import GIB
+
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama-3.1-70b")
+GPUS = {16: "v100-16gb", 24: "rtx-4090", 40: "a100-40gb", 48: "l40s", 80: "h100-80gb"}
+"""One representative card per memory class (GB as sold)."""
+COUNTS = (1, 2, 4, 8)
+SEQ_LENS = (2048, 4096, 8192)
+MAIN_SEQ = 4096
+SEQ_SWEEP_MODEL = "llama-3.1-8b"
+GLOBAL_BATCH = 64
+"""Sequences per optimizer step (64 x 4k = 262k tokens): a common fine-tuning batch."""
+LORA_RANK = 16
+FILES = ("accelerate.yaml", "ds_config.json", "plan.json")
+IGNORED_KEYS = ("versions",)
+"""plan.json keys the staleness check ignores: installed versions differ between machines."""
+
+
+def host_ram_bytes(num_gpus: int) -> int:
+    """Host RAM assumed per node: 64 GiB per GPU, at least 128 GiB (workstations to 8-GPU servers)."""
+    return max(128, 64 * num_gpus) * GIB
+
+
+@dataclass(frozen=True, slots=True)
+class PresetRequest:
+    model: str
+    gpu: str
+    num_gpus: int
+    seq_len: int
+    lora: bool
+
+    @property
+    def name(self) -> str:
+        mode = f"lora{LORA_RANK}" if self.lora else "full"
+        return f"{self.model}-{mode}-{self.num_gpus}x{self.gpu}-{self.seq_len // 1024}k"
+
+
+def _search(req: PresetRequest):
+    from memkit.cli.common import lora_targets
+    from memkit.planner import NoPlanFits, Request, search
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import load_model_spec
+
+    model = load_model_spec(req.model)
+    hardware = Hardware(gpu=find_gpu(req.gpu), num_gpus_per_node=req.num_gpus,
+                        host_ram_bytes_per_node=host_ram_bytes(req.num_gpus))
+    request = Request(model=model, hardware=hardware, global_batch_size=GLOBAL_BATCH, seq_len=req.seq_len,
+                      lora_rank=LORA_RANK if req.lora else 0,
+                      lora_targets=lora_targets(None, model) if req.lora else ("q_proj", "v_proj"))
+    try:
+        return search(request)
+    except NoPlanFits:
+        return None
+
+
+def plan_presets() -> tuple[dict[PresetRequest, object], list[PresetRequest]]:
+    """(request -> SearchResult for every preset, requests that fit on no count of that card)."""
+    chosen: dict[PresetRequest, object] = {}
+    misses: list[PresetRequest] = []
+    for model in MODELS:
+        for gpu in GPUS.values():
+            for lora in (False, True):
+                seqs = SEQ_LENS if model == SEQ_SWEEP_MODEL else (MAIN_SEQ,)
+                for seq in seqs:
+                    counts = COUNTS if seq == MAIN_SEQ else COUNTS[:-1]
+                    found = None
+                    for n in counts:
+                        req = PresetRequest(model, gpu, n, seq, lora)
+                        result = _search(req)
+                        if result is not None:
+                            chosen[req] = found = result
+                            break
+                    if seq == MAIN_SEQ and (found is None or found.request.hardware.num_gpus != 8):
+                        full_node = PresetRequest(model, gpu, 8, seq, lora)
+                        result = _search(full_node)
+                        if result is not None:
+                            chosen[full_node] = result
+                        elif found is None:
+                            misses.append(full_node)
+    return chosen, misses
+
+
+def render(chosen, misses) -> dict[str, str]:
+    """Relative path under presets/ -> text, for every generated file."""
+    from memkit.cli.suggest import document_for
+    from memkit.emit.bundle import bundle_files
+
+    files: dict[str, str] = {}
+    rows = []
+    for req, result in sorted(chosen.items(), key=lambda kv: _order(kv[0])):
+        out_dir = f"presets/plans/{req.name}"
+        doc = document_for(result, lr=2e-5)
+        bundle = bundle_files(doc, out_dir=out_dir, largest_param_numel=result.request.model.vocab_size
+                              * result.request.model.hidden_size)
+        for fname in FILES:
+            files[f"plans/{req.name}/{fname}"] = bundle[fname]
+        rows.append((req, doc))
+    files["README.md"] = _readme(rows, misses)
+    return files
+
+
+def _order(req: PresetRequest) -> tuple:
+    return (MODELS.index(req.model), req.lora, req.seq_len, list(GPUS.values()).index(req.gpu), req.num_gpus)
+
+
+def _readme(rows, misses) -> str:
+    lines = [
+        "# memkit presets",
+        "",
+        "Ready-made plans: each folder under `plans/` holds what `memkit suggest --out` writes for one",
+        "request - `accelerate.yaml`, `ds_config.json` (every DeepSpeed setting, explicit values) and",
+        "`plan.json` (the plan, memkit's predicted per-GPU peak and speed, and why cheaper plans were",
+        "rejected). Run one from the repository root:",
+        "",
+        "```",
+        "accelerate launch --config_file presets/plans/<name>/accelerate.yaml launch/finetune.py \\",
+        "    --plan presets/plans/<name>/plan.json --model <checkpoint folder> --data train.jsonl --output-dir out/",
+        "```",
+        "",
+        "`memkit explain presets/plans/<name>/plan.json` prints a plan in full. All presets assume:",
+        f"global batch {GLOBAL_BATCH} sequences (micro x accum x GPUs, exactly), 10% memory headroom, host RAM",
+        "of 64 GiB per GPU (at least 128 GiB), one node, AdamW (lr 2e-5) unless nothing with AdamW fits,",
+        f"LoRA rank {LORA_RANK} on the attention q/v projections. For other batch sizes, GPU counts or pins,",
+        "run `memkit suggest` yourself. Regenerate with `python -m memkit.presets_gen` (a test fails when",
+        "a committed preset no longer matches what memkit would suggest).",
+        "",
+        "Cards: " + ", ".join(f"{gb} GB = {name}" for gb, name in GPUS.items()) + ".",
+        "Peak: per-GPU peak as nvidia-smi would show it (predicted). Speed: predicted tokens/s for all GPUs.",
+        "",
+        "| preset | model | mode | tokens | GPUs | plan | peak GiB | tokens/s |",
+        "|---|---|---|---:|---|---|---:|---:|",
+    ]
+    for req, doc in rows:
+        est, speed, hw = doc["estimate"], doc["step_time"], doc["hardware"]
+        mode = f"LoRA r{LORA_RANK}" if req.lora else "full"
+        lines.append(
+            f"| [{req.name}](plans/{req.name}/) | {req.model} | {mode} | {req.seq_len} | {req.num_gpus} x {req.gpu} "
+            f"| {doc['label']} | {est['nvidia_smi_peak_bytes'] / GIB:.1f} / {hw['gpu_memory_bytes'] / GIB:.0f} "
+            f"| {speed['tokens_per_s']:,.0f} |")
+    if misses:
+        lines += ["", "Does not fit even on 8 of the card (full node, with the host RAM above):", ""]
+        lines += [f"- {m.model}, {'LoRA' if m.lora else 'full'}, {m.seq_len} tokens, {m.gpu}" for m in misses]
+    return "\n".join(lines) + "\n"
+
+
+def _comparable(path: str, text: str):
+    if path.endswith("plan.json"):
+        doc = json.loads(text)
+        for key in IGNORED_KEYS:
+            doc.pop(key, None)
+        return doc
+    return text
+
+
+def stale_files(files: dict[str, str], root: Path) -> list[str]:
+    """Generated paths whose committed copy is missing or differs, plus committed plans not generated."""
+    stale = [p for p, text in files.items()
+             if not (root / p).is_file() or _comparable(p, (root / p).read_text()) != _comparable(p, text)]
+    plans = root / "plans"
+    if plans.is_dir():
+        generated = {p.split("/")[1] for p in files if p.startswith("plans/")}
+        stale += [f"plans/{d.name} (not generated any more)" for d in plans.iterdir() if d.name not in generated]
+    return stale
+
+
+def write(files: dict[str, str], root: Path) -> None:
+    plans = root / "plans"
+    if plans.is_dir():
+        shutil.rmtree(plans)
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memkit.presets_gen", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report stale presets (exit 1 if any)")
+    args = parser.parse_args(argv)
+    root = presets_dir()
+    files = render(*plan_presets())
+    if args.check:
+        stale = stale_files(files, root)
+        for path in stale:
+            print(f"stale: presets/{path}")
+        return 1 if stale else 0
+    write(files, root)
+    print(f"wrote {sum(1 for p in files if p.endswith('plan.json'))} presets under {root / 'plans'} and "
+          f"{root / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

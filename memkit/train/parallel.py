@@ -1,0 +1,419 @@
+"""Apply a plan's model parallelism to an HF decoder-only causal LM (torchtitan style: the model
+never decides its parallelism; these functions apply the plan they are handed).
+
+Tensor parallel (plan.tp_engine == "autotp"): DeepSpeed AutoTP training. `deepspeed.initialize`
+shards the model when the config has `"tensor_parallel": {"autotp_size": tp}` (DeepSpeed 0.19:
+deepspeed/runtime/engine.py, _configure_tensor_parallel): q/k/v/gate/up become column-parallel
+`LinearLayer`s, o/down row-parallel `LinearAllreduce`s, and in training mode the LM head is
+column-parallel with its logits gathered (deepspeed/module_inject/auto_tp.py,
+training_column_lm_head). ZeRO 0-2 only. Every rank of a TP group must see the same batch
+(DeepSpeed checks it on the first forward): shard data by `RankLayout.dp_rank`, never by rank.
+
+Pipeline parallel (plan.pp_engine == "torch"): torch.distributed.pipelining with one stage per
+rank. Each stage is the HF model cut down to its decoder layers (memkit.estimate.memory
+.stage_layers, so estimate and run split alike), the embedding on the first stage and the final
+norm + LM head on the last; the plan's grad_accum micro-batches are the pipeline micro-batches
+(ScheduleGPipe, Huang et al. 2019; Schedule1F1B, Narayanan et al. 2021, Sec. 2.2). A tied
+embedding lives on the first and the last stage and their gradients are summed (Megatron-LM's
+embedding group, Shoeybi et al. 2019). Data parallel replicas of the pipeline average gradients
+over the dp group.
+
+Rank layout (one place): world = dp x pp x tp, tp innermost (DeepSpeed's AutoTP mesh is
+(data_parallel, tensor_parallel), deepspeed/utils/groups.py, _init_tp_mesh_device), so a TP group
+is tp consecutive ranks on one node.
+
+The runner cannot yet combine tp > 1 with pp > 1 (AutoTP lives inside the DeepSpeed engine, the
+pipeline path is plain torch): `validate_parallel` says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from functools import lru_cache
+from dataclasses import dataclass
+from typing import Any
+
+from memkit.errors import MemkitError
+from memkit.estimate.memory import check_parallel, stage_layers
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware
+from memkit.spec.model import ModelSpec
+
+# torch is imported inside the functions that need it, so validation stays instant (STYLE.md).
+
+IGNORE_INDEX = -100
+
+# Families whose ForCausalLM is `<base>.embed_tokens -> <base>.layers -> <base>.norm -> lm_head`
+# with per-layer masks picked by config.layer_types (transformers 5: models/<family>/modeling_*.py);
+# tests/unit/test_parallel_validation.py chains the stages of each and compares with the whole model.
+PP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+# Families with separate q/k/v/o and gate/up/down linears that AutoTP shards by name
+# (deepspeed/module_inject/auto_tp.py; their configs carry base_model_tp_plan). Fused qkv/gate_up
+# (phi3) and MoE experts are left out until a run proves them.
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+TP_ENGINES_RUN = ("autotp",)
+PP_ENGINES_RUN = ("torch",)
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankLayout:
+    """Where one rank sits in the dp x pp x tp grid (tp innermost)."""
+
+    rank: int
+    world_size: int
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_stage(self) -> int:
+        return (self.rank // self.tp) % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        """The data shard this rank reads: every rank of a TP group and of a pipeline reads the same."""
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_stage == self.pp - 1
+
+    def rank_of(self, *, dp_rank: int, pp_stage: int, tp_rank: int = 0) -> int:
+        return (dp_rank * self.pp + pp_stage) * self.tp + tp_rank
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank}
+
+
+def rank_layout(plan: TrainingPlan, *, rank: int, world_size: int) -> RankLayout:
+    """The layout of `rank`; the one place the degrees are checked against the launched world."""
+    if plan.dp * plan.pp * plan.tp != world_size:
+        raise MemkitError(
+            f"dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.num_gpus} but {world_size} processes were "
+            f"launched; launch {plan.num_gpus} processes or choose degrees whose product is {world_size}")
+    return RankLayout(rank=rank, world_size=world_size, dp=plan.dp, pp=plan.pp, tp=plan.tp)
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+def validate_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
+    """Raise MemkitError when the runner cannot run `plan`'s tp/pp on `spec` and `hardware`.
+
+    Adds to memkit.estimate.memory.check_parallel (degrees vs heads, layers, world size, node
+    size) what the runner itself needs: a splittable architecture, an engine it drives, TP groups
+    inside a node, and a schedule the micro-batches can fill.
+    """
+    plan.validate()
+    check_parallel(spec, plan, hardware)
+    if plan.tp == 1 and plan.pp == 1:
+        return
+    what = "tp" if plan.tp > 1 else "pp"
+    if spec.kind != "decoder":
+        raise MemkitError(
+            f"{what}={plan.tp if what == 'tp' else plan.pp} on {spec.name} ({spec.kind}, {spec.model_type}): "
+            f"memkit splits decoder-only causal LMs only; use tp=1 pp=1 (ZeRO-3 shards any model)")
+    if plan.tp > 1 and plan.pp > 1:
+        raise MemkitError(
+            f"tp={plan.tp} with pp={plan.pp}: the runner does not combine tensor and pipeline "
+            "parallelism yet; use one of them (with ZeRO/data parallel for the rest)")
+    if plan.tp > 1:
+        _check_tp(spec, plan, hardware)
+    if plan.pp > 1:
+        _check_pp(spec, plan)
+
+
+def _check_tp(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
+    if spec.model_type not in TP_MODEL_TYPES:
+        raise MemkitError(
+            f"tp={plan.tp} on model_type {spec.model_type!r}: the runner's tensor parallel (DeepSpeed "
+            f"AutoTP) is proven on {', '.join(TP_MODEL_TYPES)}; use tp=1 (ZeRO-3) or pp")
+    if plan.tp_engine not in TP_ENGINES_RUN:
+        raise MemkitError(f"tp engine {plan.tp_engine!r} is not run by memkit; use tp_engine 'autotp' "
+                          "(DeepSpeed AutoTP training)")
+    if plan.engine != "deepspeed":
+        raise MemkitError(f"tp={plan.tp} with engine {plan.engine!r}: AutoTP runs inside DeepSpeed; "
+                          "use engine 'deepspeed'")
+    if plan.zero_stage > 2:
+        raise MemkitError(f"tp={plan.tp} with --zero {plan.zero_stage}: DeepSpeed AutoTP training "
+                          "supports ZeRO 0-2; use --zero 2 or lower")
+    if hardware.num_gpus_per_node % plan.tp:
+        raise MemkitError(
+            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
+            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
+    if plan.is_lora:
+        raise MemkitError(f"tp={plan.tp} with LoRA: the runner does not shard peft adapters; "
+                          "use tp=1 with --lora-rank, or full fine-tuning with tp")
+
+
+def _check_pp(spec: ModelSpec, plan: TrainingPlan) -> None:
+    if spec.model_type not in PP_MODEL_TYPES:
+        raise MemkitError(
+            f"pp={plan.pp} on model_type {spec.model_type!r}: the runner splits "
+            f"{', '.join(PP_MODEL_TYPES)} into stages; use pp=1 (ZeRO-3) for this model")
+    if plan.pp_engine not in PP_ENGINES_RUN:
+        raise MemkitError(f"pp engine {plan.pp_engine!r} is not run by memkit; use pp_engine 'torch' "
+                          "(torch.distributed.pipelining)")
+    if plan.engine != "torch":
+        raise MemkitError(f"pp={plan.pp} with engine {plan.engine!r}: the pipeline runs through "
+                          "torch.distributed.pipelining, not DeepSpeed; use engine 'torch'")
+    if plan.zero_stage != 0:
+        raise MemkitError(f"pp={plan.pp} with --zero {plan.zero_stage}: the runner's pipeline path "
+                          "keeps whole optimizer states per stage; use --zero 0")
+    if plan.precision == "fp16":
+        raise MemkitError(f"pp={plan.pp} with --precision fp16: the pipeline path has no loss scaler; "
+                          "use bf16 or fp32")
+    if plan.is_lora:
+        raise MemkitError(f"pp={plan.pp} with LoRA: the runner does not pipeline peft models; use pp=1")
+    if plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
+        raise MemkitError(
+            f"pp={plan.pp} with 1F1B and --grad-accum {plan.grad_accum}: 1F1B needs at least pp "
+            f"micro-batches (torch Schedule1F1B); use --grad-accum >= {plan.pp} or pp_schedule gpipe")
+
+
+# ---- tensor parallel (DeepSpeed AutoTP) ----------------------------------------------------------
+
+def autotp_deepspeed_config(ds_config: dict, plan: TrainingPlan) -> dict:
+    """A copy of `ds_config` that runs AutoTP: the tensor_parallel block, and train_batch_size as
+    DeepSpeed checks it. Without an mpu, DeepSpeed's batch check counts every rank as a data
+    rank (deepspeed/runtime/config.py, _batch_assertion: train_batch_size == micro x accum x
+    dist.get_world_size()), so it must be micro x accum x dp x tp although only dp shards see
+    distinct data."""
+    out = copy.deepcopy(ds_config)
+    stage = out.get("zero_optimization", {}).get("stage", 0)
+    if stage > 2:
+        raise MemkitError(f"DeepSpeed config has ZeRO stage {stage}; AutoTP training supports 0-2")
+    out["tensor_parallel"] = {"autotp_size": plan.tp}
+    out["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
+    out["gradient_accumulation_steps"] = plan.grad_accum
+    out["train_batch_size"] = plan.micro_batch_size * plan.grad_accum * plan.dp * plan.tp
+    return out
+
+
+def apply_tensor_parallel(model, plan: TrainingPlan, ds_config: dict, *, optimizer=None):
+    """deepspeed.initialize with AutoTP: returns (engine, optimizer). The process group must exist
+    (deepspeed.init_distributed). Parameters are sharded in place by DeepSpeed; pass the client
+    optimizer built on model.parameters() (DeepSpeed remaps it to the shards)."""
+    import deepspeed
+
+    config = autotp_deepspeed_config(ds_config, plan)
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                             model_parameters=None if optimizer else model.parameters())
+    return engine, opt
+
+
+# ---- pipeline parallel (torch.distributed.pipelining) --------------------------------------------
+
+def split_stage_module(model, *, stage: int, num_stages: int, layer_counts: list[int] | None = None):
+    """Cut an HF causal LM down to pipeline stage `stage` (in place) and wrap it as a module that
+    maps input_ids (first stage) or hidden states to hidden states, or to logits (last stage)."""
+    import torch.nn as nn
+
+    base = getattr(model, model.base_model_prefix)
+    layers = list(base.layers)
+    counts = layer_counts or stage_layers(len(layers), num_stages)
+    if len(counts) != num_stages or sum(counts) != len(layers) or min(counts) < 1:
+        raise MemkitError(f"stage layer counts {counts} do not split {len(layers)} layers into "
+                          f"{num_stages} non-empty stages")
+    start = sum(counts[:stage])
+    stop = start + counts[stage]
+    first, last = stage == 0, stage == num_stages - 1
+    base.layers = nn.ModuleList(layers[start:stop])
+    # The base model's forward picks each layer's mask by config.layer_types[i] with i the local
+    # index, and iterates layers[:num_hidden_layers]: give it a config of this stage's slice.
+    # The layers keep the whole config (their sliding windows are set from global indices).
+    stage_config = copy.copy(base.config)
+    if getattr(stage_config, "layer_types", None) is not None:
+        stage_config.layer_types = list(base.config.layer_types[start:stop])
+    stage_config.num_hidden_layers = stop - start
+    base.config = stage_config
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = nn.Identity()
+        model.lm_head = None
+    return _stage_module_class()(model, first=first, last=last)
+
+
+@lru_cache(maxsize=1)
+def _stage_module_class():
+    import torch.nn as nn
+
+    class _DecoderStage(nn.Module):
+        """One pipeline stage of an HF causal LM (see split_stage_module)."""
+
+        def __init__(self, lm, *, first: bool, last: bool):
+            super().__init__()
+            self.lm = lm
+            self.first, self.last = first, last
+
+        def forward(self, x):
+            inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+            if self.last:  # the ForCausalLM forward: head plus family extras (Gemma-2 softcapping)
+                return self.lm(**inputs, use_cache=False).logits
+            base = getattr(self.lm, self.lm.base_model_prefix)
+            return base(**inputs, use_cache=False).last_hidden_state
+
+    return _DecoderStage
+
+
+def causal_lm_loss(logits, labels, num_target_tokens):
+    """Sum of next-token cross-entropy over target tokens / the window's target tokens, in fp32:
+    so the micro-batch losses of one optimizer step add up to the mean over every target token
+    of the step (the runner's normalisation, memkit/train/loop.py). Labels are shifted, not
+    logits (transformers loss/loss_utils.py, ForCausalLMLoss)."""
+    import torch.nn.functional as F
+
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / num_target_tokens
+
+
+def count_target_tokens(labels) -> int:
+    """Target tokens of a batch after the shift (what causal_lm_loss divides by)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+class PipelineParallel:
+    """One rank's pipeline stage, its schedule, and the gradient reductions around it.
+
+    Usage per optimizer step (whole local batch = micro x grad_accum sequences):
+        loss = pipe.step(input_ids, labels)   # forward+backward of every micro-batch; loss on all ranks
+        pipe.clip_grad_norm_(max_norm); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model, plan: TrainingPlan, layout: RankLayout, *, device, layer_counts=None):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.plan, self.layout, self.device = plan, layout, device
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.groups = _pipeline_groups(layout, tied=tied)
+        self.module = split_stage_module(model, stage=layout.pp_stage, num_stages=plan.pp,
+                                         layer_counts=layer_counts).to(device)
+        self.tied_weight = None
+        if tied and plan.pp > 1:
+            lm = self.module.lm
+            base = getattr(lm, lm.base_model_prefix)
+            self.tied_weight = base.embed_tokens.weight if layout.is_first_stage else \
+                (lm.lm_head.weight if layout.is_last_stage else None)
+        self.stage = PipelineStage(self.module, layout.pp_stage, plan.pp, device, group=self.groups["pp"])
+        self._num_tokens = 1
+        schedule = ScheduleGPipe if plan.pp_schedule == "gpipe" else Schedule1F1B
+        # scale_grads=False: each micro-batch loss is already divided by the step's target tokens.
+        self.schedule = schedule(self.stage, n_microbatches=plan.grad_accum, loss_fn=self._loss,
+                                 scale_grads=False)
+
+    def _loss(self, logits, labels):
+        return causal_lm_loss(logits, labels, self._num_tokens)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def step(self, input_ids, labels) -> float:
+        """Forward and backward of the local batch's grad_accum micro-batches, then the gradient
+        all-reduces (data parallel, tied embedding). Returns the step's loss (mean over target
+        tokens of every dp shard), the same on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        self._num_tokens = count_target_tokens(labels)
+        losses: list = []
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.plan.precision == "bf16" \
+            else contextlib.nullcontext()
+        with autocast:
+            if self.layout.is_first_stage:
+                self.schedule.step(input_ids.to(self.device), target=labels.to(self.device),
+                                   losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(target=labels.to(self.device), losses=losses, return_outputs=False)
+        self._reduce_gradients()
+        local = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros(())
+        total = local.to(self.device).clone()
+        dist.all_reduce(total)  # only last stages contribute: sum over dp replicas
+        return float(total) / self.layout.dp
+
+    def _reduce_gradients(self) -> None:
+        import torch.distributed as dist
+
+        if self.layout.dp > 1:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            _all_reduce_coalesced(grads, group=self.groups["dp"], average_by=self.layout.dp)
+        if self.tied_weight is not None and self.tied_weight.grad is not None:
+            dist.all_reduce(self.tied_weight.grad, group=self.groups["tied"])
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global gradient norm over all stages (each parameter counted once: the tied
+        weight only on the first stage). Returns the norm before clipping."""
+        import torch
+        import torch.distributed as dist
+
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        counted = [p for p in self.module.parameters() if p.grad is not None
+                   and not (p is self.tied_weight and self.layout.is_last_stage and self.layout.pp > 1)]
+        for p in counted:
+            sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq, group=self.groups["pp"])
+        norm = float(sq.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
+            if coef < 1:
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+
+def apply_pipeline_parallel(model, plan: TrainingPlan, layout: RankLayout, *, device) -> PipelineParallel:
+    """Split `model` for this rank's stage and build its schedule (the process group must exist)."""
+    return PipelineParallel(model, plan, layout, device=device)
+
+
+def _pipeline_groups(layout: RankLayout, *, tied: bool) -> dict[str, Any]:
+    """Process groups: this rank's pipeline (pp), its data-parallel peers (dp), and the
+    first/last stage pair that shares a tied embedding. Every rank creates every group in the
+    same order (torch.distributed.new_group's contract)."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for d in range(layout.dp):
+        ranks = [layout.rank_of(dp_rank=d, pp_stage=s) for s in range(layout.pp)]
+        group = dist.new_group(ranks)
+        if d == layout.dp_rank:
+            out["pp"] = group
+    for s in range(layout.pp):
+        ranks = [layout.rank_of(dp_rank=d, pp_stage=s) for d in range(layout.dp)]
+        group = dist.new_group(ranks)
+        if s == layout.pp_stage:
+            out["dp"] = group
+    if tied and layout.pp > 1:
+        for d in range(layout.dp):
+            ranks = [layout.rank_of(dp_rank=d, pp_stage=0), layout.rank_of(dp_rank=d, pp_stage=layout.pp - 1)]
+            group = dist.new_group(ranks)
+            if d == layout.dp_rank:
+                out["tied"] = group
+    return out
+
+
+def _all_reduce_coalesced(tensors: list, *, group, average_by: int) -> None:
+    """Average `tensors` over `group` with one flat all-reduce (DDP's bucketing, in one bucket)."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    flat.div_(average_by)
+    for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(reduced)
+    del flat

@@ -1,0 +1,77 @@
+"""The facts the planner's pruning rests on (memkit/planner/search.py, _Pruner), checked against
+the real estimator, so a change to the estimator that breaks them fails here, not silently in
+the search:
+
+  (a) at a fixed ZeRO stage, precision, optimizer and layout, device memory does not grow with
+      more offload, with checkpointing, or with overlap_comm off; it grows with the micro-batch;
+  (b) host RAM does not depend on checkpointing, overlap_comm or the micro-batch, and does not
+      shrink with more CPU offload.
+"""
+from __future__ import annotations
+
+import pytest
+
+from memkit.estimate.memory import estimate_memory
+from memkit.plan import TrainingPlan
+from memkit.planner.space import bucket_sizes
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import load_model_spec
+
+MODELS = ["gpt2", "llama-3.2-1b", "qwen2.5-7b", "gemma-2-2b", "phi-2", "llama-3.1-70b", "opt-1.3b", "t5-base"]
+HARDWARE = [("rtx-4090", 2, 1), ("a100-80gb", 8, 2), ("t4", 1, 1)]
+OFFLOADS = {1: [("none", "none"), ("cpu", "none")], 2: [("none", "none"), ("cpu", "none")],
+            3: [("none", "none"), ("cpu", "none"), ("cpu", "cpu")]}
+
+
+def _plans(model, hardware):
+    prec = "bf16" if hardware.gpu.bf16 else "fp16"
+    buckets = bucket_sizes(model, hardware)
+
+    def plan(**kw):
+        return TrainingPlan(precision=prec, dp=hardware.num_gpus, seq_len=512, **buckets, **kw)
+    return plan
+
+
+@pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
+@pytest.mark.parametrize("name", MODELS)
+def test_device_memory_is_monotone_within_a_zero_stage(name, gpu, per_node, nodes):
+    model = load_model_spec(name)
+    hardware = Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes)
+    plan = _plans(model, hardware)
+
+    def peak(p):
+        return estimate_memory(model, p, hardware).nvidia_smi_peak_bytes
+
+    for zero, combos in OFFLOADS.items():
+        for ckpt in ("none", "full"):
+            for overlap in (True, False):
+                peaks = [peak(plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=ckpt,
+                                   overlap_comm=overlap)) for o, q in combos]
+                assert peaks == sorted(peaks, reverse=True), (zero, ckpt, overlap, peaks)
+        for o, q in combos:
+            base = dict(zero_stage=zero, offload_optimizer=o, offload_params=q)
+            assert peak(plan(**base, checkpointing="full")) <= peak(plan(**base, checkpointing="none"))
+            assert peak(plan(**base, overlap_comm=False)) <= peak(plan(**base, overlap_comm=True))
+            micro = [peak(plan(**base, micro_batch_size=m)) for m in (1, 2, 4)]
+            assert micro == sorted(micro)
+
+
+@pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
+@pytest.mark.parametrize("name", MODELS)
+def test_host_memory_ignores_device_only_knobs_and_grows_with_offload(name, gpu, per_node, nodes):
+    model = load_model_spec(name)
+    hardware = Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes)
+    plan = _plans(model, hardware)
+
+    def host(p):
+        return estimate_memory(model, p, hardware).host_bytes_per_node
+
+    for zero, combos in OFFLOADS.items():
+        hosts = []
+        for o, q in combos:
+            values = {host(plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=c,
+                                overlap_comm=ov, micro_batch_size=m))
+                      for c in ("none", "full") for ov in (True, False) for m in (1, 4)}
+            assert len(values) == 1, (zero, o, q, values)
+            hosts.append(values.pop())
+        assert hosts == sorted(hosts), (zero, hosts)

@@ -1,0 +1,106 @@
+"""`memkit suggest` and `memkit explain`: outputs, the files written, exit codes 0 / 2 / 3."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memkit.cli.main import main
+from memkit.plan import TrainingPlan
+
+BASE = ["suggest", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--num-gpus", "2",
+        "--global-batch-size", "64", "--seq-len", "2048"]
+
+
+def run_cli(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_shows_the_plan_its_peak_speed_and_why(capsys):
+    code, out, err = run_cli(BASE, capsys)
+    assert code == 0 and err == ""
+    for text in ("Chosen plan: ZeRO-", "peak per GPU", "budget             21.6 GiB (10% headroom)", "tokens/s",
+                 "s/step", "MFU", "Why not a faster plan:", "GiB > 21.6 GiB budget", "Alternatives that fit:"):
+        assert text in out, text
+
+
+def test_json_is_one_object_with_the_plan_document(capsys):
+    code, out, _ = run_cli(BASE + ["--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["model"] == "llama-3.1-8b" and doc["hardware"]["gpu"] == "rtx-4090"
+    plan = TrainingPlan.from_dict(doc["plan"])
+    assert plan.global_batch_size == 64 and plan.dp == 2
+    assert doc["estimate"]["nvidia_smi_peak_bytes"] <= doc["budget_bytes"]
+    assert doc["step_time"]["tokens_per_s"] > 0 and 0 < doc["step_time"]["mfu"] < 1
+    assert doc["rejected"] and all("budget" in r["reason"] or "host RAM" in r["reason"] for r in doc["rejected"])
+    assert doc["alternatives"] and doc["request"]["global_batch_size"] == 64
+
+
+def test_out_writes_the_bundle_and_explain_reads_it_back(tmp_path, capsys):
+    out_dir = tmp_path / "run8b"
+    code, out, _ = run_cli(BASE + ["--out", str(out_dir), "--plot", str(tmp_path / "mem.png")], capsys)
+    assert code == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["README.md", "accelerate.yaml", "ds_config.json", "plan.json"]
+    doc = json.loads((out_dir / "plan.json").read_text())
+    assert set(doc["versions"]) >= {"memkit", "deepspeed", "accelerate", "torch"}
+    assert doc["versions"]["deepspeed"] and doc["versions"]["torch"]
+    ds = json.loads((out_dir / "ds_config.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == doc["plan"]["micro_batch_size"]
+    assert ds["zero_optimization"]["stage"] == doc["plan"]["zero_stage"]
+    command = (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
+               f"--plan {out_dir}/plan.json --model llama-3.1-8b")
+    assert command in (out_dir / "README.md").read_text() and command in out
+    assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    code, shown, _ = run_cli(["explain", str(out_dir / "plan.json"), "--check"], capsys)
+    assert code == 0
+    assert f"Chosen plan: {doc['label']}" in shown and "still fits the budget" in shown
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--zero", "0", "--offload-optimizer", "cpu"], r"--offload-optimizer cpu needs ZeRO; use --zero 1, 2 or 3"),
+    (["--global-batch-size", "63"], r"--global-batch-size 63 cannot be met exactly.*nearby achievable global "
+                                    r"batches: 62, 64"),
+    (["--no-offload", "--offload-params", "cpu"], r"--offload-params cpu contradicts --no-offload"),
+    (["--headroom", "lots"], r"--headroom 'lots' is not a number"),
+    (["--tp", "two"], r"--tp 'two' must be a positive integer or 'auto'"),
+    (["--lora-rank", "8", "--lora-targets", "nope"], r"--lora-targets nope not in llama-3.1-8b's linears"),
+    (["--gpu", "rtx-5090x"], r"unknown GPU 'rtx-5090x'"),
+    (["--model", "llama-3.1-9b"], r"unknown model 'llama-3.1-9b' \(did you mean"),
+])
+def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
+    code, out, err = run_cli(BASE + extra, capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("memkit: error: ")
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_no_plan_fits_is_exit_3_with_nearest_misses(capsys):
+    code, out, err = run_cli(["suggest", "--model", "llama-3.1-70b", "--gpu", "rtx-4090", "--global-batch-size", "8",
+                              "--seq-len", "4096", "--no-offload"], capsys)
+    assert code == 3
+    assert "No plan fits llama-3.1-70b on 1 x rtx-4090" in out and "what it would need" in out
+    assert "a GPU with >=" in out
+    assert err.count("\n") == 1 and err.startswith("memkit: error: no plan fits")
+
+
+def test_no_plan_fits_json(capsys):
+    code, out, _ = run_cli(["suggest", "--model", "llama-3.1-70b", "--gpu", "rtx-4090", "--global-batch-size", "8",
+                            "--no-offload", "--json"], capsys)
+    assert code == 3
+    doc = json.loads(out)
+    assert doc["nearest_misses"] and all(m["needs"] for m in doc["nearest_misses"])
+
+
+def test_explain_rejects_what_is_not_a_plan(tmp_path, capsys):
+    bogus = tmp_path / "plan.json"
+    bogus.write_text(json.dumps({"hello": 1}))
+    code, _, err = run_cli(["explain", str(bogus)], capsys)
+    assert code == 2 and "not a memkit plan.json" in err
+    code, _, err = run_cli(["explain", str(tmp_path / "missing.json")], capsys)
+    assert code == 2 and "no such file" in err
