@@ -134,8 +134,8 @@ def versions() -> dict:
 
 
 def run_single(row: dict, num_steps: int) -> dict:
-    """Measure one row in a fresh process: module-level caches (masks, rotary tables) left by an
-    earlier row would otherwise be reused uncounted."""
+    """Measure one row in a fresh process, so nothing an earlier row created or patched (caches
+    made outside its tracker, allocator state) can change what this row counts."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--single-worker", row["id"],

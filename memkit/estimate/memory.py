@@ -73,15 +73,41 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                     device: str = "cuda") -> MemoryEstimate:
     """Peak memory per GPU for `plan` (the worst pipeline stage). `device='cpu'` prices the CPU
     test runs: no foreach optimizer temporaries, no CUDA context or allocator slack."""
-    plan.validate()
-    hardware.validate()
-    check_parallel(model, plan, hardware)
-    stages = [_stage(model, plan, hardware, k, device) for k in range(plan.pp)]
+    stages = estimate_stages(model, plan, hardware, device=device)
     worst = max(stages, key=lambda s: s.allocated_peak_bytes)
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
         worst = _replace(worst, notes=notes)
     return worst
+
+
+def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
+                    device: str = "cuda") -> list[MemoryEstimate]:
+    """One estimate per pipeline stage (a single one without pipeline parallelism). Stages that
+    differ only in index share a computation: what matters is (blocks, in-flight micro-batches,
+    first, last)."""
+    plan.validate()
+    hardware.validate()
+    check_parallel(model, plan, hardware)
+    counts = stage_layers(model.total_layers, plan.pp)
+    cache: dict[tuple, MemoryEstimate] = {}
+    out = []
+    for k in range(plan.pp):
+        key = (counts[k], _in_flight(plan, k), k == 0, k == plan.pp - 1)
+        if key not in cache:
+            cache[key] = _stage(model, plan, hardware, k, device)
+        out.append(cache[key])
+    return out
+
+
+def _in_flight(plan: TrainingPlan, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once: 1F1B stage k holds pp-k, GPipe
+    all of them (Narayanan et al. 2021, Sec. 2.2; Huang et al. 2019, Sec. 2.3)."""
+    if plan.pp == 1:
+        return 1
+    if plan.pp_schedule == "gpipe":
+        return plan.grad_accum
+    return min(plan.pp - stage, plan.grad_accum)
 
 
 def _replace(est: MemoryEstimate, **changes) -> MemoryEstimate:
@@ -117,10 +143,16 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
     else:
         avg_layer = layer
     params = n_layers * avg_layer
+    head_params = model.head_params
+    if tp > 1 and not model.tie_word_embeddings and model.kind == "decoder":
+        # AutoTP training column-splits an untied LM head and gathers the logits
+        # (deepspeed/module_inject/auto_tp.py, training LM-head replacement).
+        lm_head = model.vocab_size * model.hidden_size
+        head_params = head_params - lm_head + lm_head // tp
     if first:
         params += model.embedding_params
     if last:
-        params += model.head_params
+        params += head_params
         if plan.pp > 1 and model.tie_word_embeddings:
             params += model.vocab_size * model.hidden_size  # the last stage keeps its own copy
     if plan.is_lora:
@@ -131,12 +163,12 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
     else:
         trainable = params
         layer_trainable = avg_layer
-        head_trainable = (model.head_params if last else 0) + (model.embedding_params if first else 0)
+        head_trainable = (head_params if last else 0) + (model.embedding_params if first else 0)
     largest_tensor = max([model.vocab_size * model.hidden_size if (first or last) else 0]
                          + [lin.in_features * lin.out_features // (tp if lin.tp_style != "replicate" else 1)
                             for lin in model.layer_linears])
     embed = model.embedding_params if first else 0
-    head = model.head_params if last else 0
+    head = head_params if last else 0
     persistent = n_layers * _small_params(model) if not plan.is_lora else 0
     return RankParams(num_params=params, num_trainable=trainable,
                       largest_module=max(avg_layer, embed, head), largest_tensor=largest_tensor,
@@ -171,17 +203,18 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
             for lin in model.layer_linears)
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last else 0
-    in_flight = 1
-    if plan.pp > 1:
-        # 1F1B: stage k holds pp-k micro-batches in flight; GPipe holds all of them
-        # (Narayanan et al. 2021, Sec. 2.2; Huang et al. 2019, Sec. 2.3).
-        in_flight = plan.grad_accum if plan.pp_schedule == "gpipe" else min(plan.pp - stage, plan.grad_accum)
+    in_flight = _in_flight(plan, stage)
     ckpt = plan.checkpointing == "full"
     kept_per_layer = blk.input_bytes if ckpt else per_layer + autocast_copy
     layers_act = n_layers * kept_per_layer * in_flight
 
     # -- gradients as they land ----------------------------------------------------------------
-    accum_full = plan.grad_accum > 1  # from the 2nd micro-batch on, all gradients are held
+    # From the 2nd micro-batch on, all gradients are held -- except in a pipeline, where GPipe
+    # runs every forward before any backward and 1F1B does so while m <= pp.
+    if plan.pp > 1:
+        accum_full = plan.pp_schedule == "1f1b" and plan.grad_accum > plan.pp
+    else:
+        accum_full = plan.grad_accum > 1
     grads_end = st.gradients
     gather = st.gather_transient
 
@@ -197,6 +230,12 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             "optimizer_states": st.optimizer_states}
     prefix = "deepspeed_" if plan.engine == "deepspeed" else ""
     base.update({prefix + name: value for name, value in st.buffers.items()})
+    # A pipeline's last stage computes each in-flight micro-batch's loss in its forward.
+    head_saved = (head.saved_bytes + head_copy) * in_flight if last else 0
+    # Non-last stages keep each in-flight micro-batch's output for its backward, plus a receive
+    # buffer for the gradient coming back (torch/distributed/pipelining/stage.py).
+    boundary = (in_flight + 1) * blk.input_bytes if (plan.pp > 1 and not last) else 0
+    base["pipeline_buffers"] = boundary
     if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
         base.update({f"offloaded_{name}": value for name, value in st.host.items()})
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
@@ -204,7 +243,6 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     grads_outside_backward = grads_end if not st.backward_buffers else 0
     fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
     embed_saved = head.embedding_bytes * in_flight if first else 0
-    head_saved = head.saved_bytes + head_copy if last else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
     amp_cache = autocast_copy * n_layers if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan)

@@ -164,7 +164,7 @@ class JsonlLog:
         if self.path is None:
             return
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.write(json.dumps({"time": round(time.time(), 3), **record}, sort_keys=True) + "\n")
 
 
 def _versions() -> dict:

@@ -53,8 +53,8 @@ def write_bundle(folder: Path, plan: TrainingPlan, *, num_gpus_per_node: int = 2
 
 def plan_document(plan: TrainingPlan, *, num_gpus_per_node: int, num_nodes: int, model: str = "tiny-llama",
                   config_path: Path | None = None) -> dict:
-    """plan.json as `memkit suggest --out` writes it (memkit's own estimate, on an A100 as the
-    nominal GPU: the CPU runs compare live-tensor bytes with `allocated_peak_bytes`)."""
+    """plan.json as `memkit suggest --out` writes it, with memkit's estimate priced for the CPU
+    (estimate_memory(device="cpu")), which the runs' live-tensor peaks are compared with."""
     from memkit.emit.bundle import plan_document as make_document
     from memkit.estimate.memory import estimate_memory
     from memkit.estimate.throughput import estimate_step_time
@@ -65,7 +65,7 @@ def plan_document(plan: TrainingPlan, *, num_gpus_per_node: int, num_nodes: int,
     hardware = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes)
     hw = {"gpu": hardware.gpu.name, "num_gpus_per_node": num_gpus_per_node, "num_nodes": num_nodes}
     return make_document(model_name=model, plan=plan, hardware=hw,
-                         memory=estimate_memory(spec, plan, hardware),
+                         memory=estimate_memory(spec, plan, hardware, device="cpu"),
                          speed=estimate_step_time(spec, plan, hardware), label="test")
 
 

@@ -143,12 +143,10 @@ def test_four_process_runs_train(runs, name):
 
 
 def _stage_estimate(spec, plan: TrainingPlan, world: int, stage: int) -> int:
-    from memkit.estimate import memory
+    from memkit.estimate.memory import estimate_stages
 
     hardware = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=world)
-    # Per-stage figure: memory._stage is the estimator's per-stage builder (estimate_memory
-    # reports only the worst stage).
-    return memory._stage(spec, plan, hardware, stage, "cpu").allocated_peak_bytes
+    return estimate_stages(spec, plan, hardware, device="cpu")[stage].allocated_peak_bytes
 
 
 @pytest.mark.parametrize("name", ["ref", "tp2", "pp2_1f1b", "pp2_gpipe"])
