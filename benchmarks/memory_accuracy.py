@@ -1,6 +1,10 @@
-"""memkit's memory estimate against published GPU measurements.
+"""memkit's memory estimate against measured runs: real CPU training steps, then published GPU runs.
 
     python benchmarks/memory_accuracy.py [--calibration DIR] [--verbose] [--worst N]
+
+First table: tests/golden/cpu_measurements.json, real training steps of small HF models on CPU
+(single process and 2-process DeepSpeed ZeRO 0-3, measured with memkit's live-tensor tracker;
+regenerate with benchmarks/measure_cpu.py), against estimate_memory(..., device="cpu").
 
 For every record of DIR/published_gpu_measurements.jsonl (default ../shared/calibration relative
 to the repository root; sources cited in DIR/SOURCES.md) it prints the mapped configuration, the
@@ -39,6 +43,53 @@ def published_outcomes(calibration_dir: Path) -> list[Outcome]:
         for case in cases_for_record(record, configs_dir=CONFIGS_DIR):
             outcomes.append(score(case))
     return outcomes
+
+
+GOLDEN = REPO / "tests" / "golden" / "cpu_measurements.json"
+
+
+def cpu_rows() -> list[tuple[str, str, int, int, str]]:
+    """(row id, predicted phase, measured peak, predicted peak, plan summary) per golden row."""
+    import tempfile
+
+    from memkit.estimate.memory import estimate_memory
+    from memkit.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import load_model_spec
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, row in enumerate(json.loads(GOLDEN.read_text())["rows"]):
+            folder = Path(tmp) / str(i)
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(row["model_config"]))
+            plan = TrainingPlan.from_dict(row["plan"])
+            est = estimate_memory(load_model_spec(str(folder)), plan,
+                                  Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=plan.num_gpus),
+                                  device="cpu")
+            measured = row["measured"]
+            peak = measured.get("peak_bytes") or max(r["peak_bytes"] for r in measured["ranks"])
+            summary = (f"{plan.engine} z{plan.zero_stage} {plan.precision} {plan.attention} "
+                       f"ckpt={plan.checkpointing} mb{plan.micro_batch_size}x{plan.seq_len} "
+                       f"acc{plan.grad_accum} dp{plan.dp}" + (f" lora{plan.lora_rank}" if plan.is_lora else "")
+                       + (f" off={plan.offload_optimizer}" if plan.offload_optimizer != "none" else ""))
+            out.append((row["id"], est.peak_phase, peak, est.allocated_peak_bytes, summary))
+    return out
+
+
+def render_cpu(rows) -> str:
+    lines = ["# real CPU training steps (tests/golden/cpu_measurements.json), peak live-tensor bytes per rank",
+             f"{'row':<30} {'plan':<58} {'measured MiB':>12} {'predicted':>10} {'error':>7}  phase"]
+    errors = []
+    for row_id, phase, measured, predicted, summary in rows:
+        err = (predicted / measured - 1) * 100
+        errors.append(abs(err))
+        lines.append(f"{row_id:<30} {summary:<58} {measured / 2**20:12.2f} {predicted / 2**20:10.2f} "
+                     f"{err:+6.1f}%  {phase}")
+    errors.sort()
+    lines.append(f"{len(errors)} rows: median |error| {errors[len(errors) // 2]:.1f}%, "
+                 f"max {errors[-1]:.1f}%, within 5%: {sum(e <= 5 for e in errors)}/{len(errors)}")
+    return "\n".join(lines)
 
 
 def _gib(num_bytes: float | None) -> str:
@@ -140,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="component breakdown of the worst rows")
     parser.add_argument("--worst", type=int, default=10, help="how many worst rows --verbose breaks down")
     args = parser.parse_args(argv)
+    print(render_cpu(cpu_rows()))
+    print()
     if not (args.calibration / "published_gpu_measurements.jsonl").is_file():
         print(f"no published_gpu_measurements.jsonl in {args.calibration}; pass --calibration DIR", file=sys.stderr)
         return 2

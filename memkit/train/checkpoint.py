@@ -165,8 +165,6 @@ PEFT_PREFIX = "base_model.model."
 def merge_lora_state_dict(state: dict, *, scaling: float) -> dict:
     """PEFT LoRA state dict -> plain model state dict with W + (B @ A) * scaling merged in
     (Hu et al. 2021, Sec. 4.1, Eq. 3; peft: tuners/lora/layer.py, Linear.get_delta_weight)."""
-    import torch
-
     out = {}
     for key, tensor in state.items():
         if ".lora_A." in key or ".lora_B." in key:

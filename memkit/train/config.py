@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -14,9 +14,6 @@ from memkit.plan import TrainingPlan
 PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_batch_size", "grad_accum",
               "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
-DEEPSPEED_KNOBS = ("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
-                   "grad_accum", "gradient_clipping", "optimizer")
-"""Plan knobs the DeepSpeed file decides; plan and file must agree on each."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 
@@ -241,7 +238,3 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
             ds_config[key] = value
             filled.append(key)
     return filled
-
-
-def plan_fields() -> set[str]:
-    return {f.name for f in fields(TrainingPlan)}

@@ -193,7 +193,6 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
 
     from memkit.measure.runtime import (MemoryMeter, gpu_peak_tflops, mfu, steady_median,
                                         train_flops_per_token)
-    from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
     from memkit.train.report import build_report
 
     # A provisional plan decides grad accumulation / mixed precision for the Accelerator; the
@@ -216,31 +215,8 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     log = JsonlLog(out_dir / "log.jsonl" if main else None)
     device = accelerator.device
 
-    # ---- model, optimizer ----
-    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
-    if has_batchnorm(model):
-        warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
-                      "statistics (each micro-batch is normalised alone), so micro x accum is not "
-                      "equivalent to one large batch for them", stacklevel=1)
-    if plan.precision == "bf16-pure" and not is_ds:
-        model = model.to(torch.bfloat16)
-    model = apply_plan(model, plan)
-    num_params, num_trainable = count_params(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    cpu_offload = is_ds and plan.offload_optimizer != "none"
-    if is_ds and "optimizer" in ds_config:
-        # The DeepSpeed file names the optimizer (FusedAdam on GPU, DeepSpeedCPUAdam under
-        # offload): DeepSpeed builds it; Accelerate wants a placeholder (accelerate/utils/deepspeed.py).
-        from accelerate.utils import DummyOptim
-
-        optimizer = DummyOptim(params, lr=run.lr)
-    else:
-        optimizer = build_optimizer(params, plan, run, cpu_offload=cpu_offload)
-    if is_ds and cpu_offload and "optimizer" not in ds_config:
-        # We pass DeepSpeedCPUAdam ourselves (with our betas/eps); stop Accelerate from rebuilding
-        # it with lr/weight_decay only (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed).
-        ds_config["zero_force_ds_cpu_optimizer"] = False
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, num_params, num_trainable = _model_and_optimizer(
+        accelerator, plan, run, model_source, model_config, ds_config=ds_config)
     engine = model if is_ds else None
     meter = MemoryMeter(device, tracker=tracker)
 
@@ -300,24 +276,12 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
             window = sharding.step_indices(step)
             window_tokens = int(data.loss_tokens[torch.as_tensor(window.reshape(-1))].sum())
             scale = micro_loss_scale(grad_accum=plan.grad_accum, dp=dp, window_tokens=window_tokens)
-            local_loss = torch.zeros((), dtype=torch.float64)
-            grad_norm = None
             if run.debug_oom_at_step == step + 1 and rank == 0:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
                                              "(simulated: MEMKIT_DEBUG_OOM_AT_STEP)")
-            for micro in sharding.rank_micro_batches(step, rank):
-                batch = {k: v.to(device) for k, v in data.batch(micro).items()}
-                with accelerator.accumulate(model):
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    loss_sum = causal_lm_loss_sum(logits, batch["labels"])
-                    del logits
-                    accelerator.backward(loss_sum * scale)
-                    if not is_ds:
-                        if accelerator.sync_gradients and plan.gradient_clipping > 0:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), plan.gradient_clipping)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                local_loss += loss_sum.detach().double().cpu()
+            local_loss, grad_norm = _accumulate_window(
+                accelerator, model, optimizer, data, sharding.rank_micro_batches(step, rank),
+                device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds)
             if is_ds:
                 grad_norm = engine.get_global_grad_norm()
                 skipped = not engine.was_step_applied()
@@ -415,6 +379,62 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     if interrupted_by is not None:
         report["exit_code"] = EXIT_SIGNAL.get(interrupted_by, 143)
     return report
+
+
+def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_batches, *, device,
+                       scale: float, clip: float, is_ds: bool):
+    """Forward/backward over one rank's micro-batches of an optimizer step; the optimizer steps at
+    the last one (DeepSpeed: inside accelerator.backward). Returns (this rank's loss sum, grad norm)."""
+    local_loss = torch.zeros((), dtype=torch.float64)
+    grad_norm = None
+    for micro in micro_batches:
+        batch = {k: v.to(device) for k, v in data.batch(micro).items()}
+        with accelerator.accumulate(model):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss_sum = causal_lm_loss_sum(logits, batch["labels"])
+            del logits
+            accelerator.backward(loss_sum * scale)
+            if not is_ds:
+                if accelerator.sync_gradients and clip > 0:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        local_loss += loss_sum.detach().double().cpu()
+    return local_loss, grad_norm
+
+
+def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_source, model_config, *,
+                         ds_config: dict | None):
+    """Build the model with the plan's knobs and its optimizer; prepare both (DeepSpeed engine
+    under a DeepSpeed config). Returns (model, optimizer, num_params, num_trainable_params)."""
+    from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
+
+    is_ds = ds_config is not None
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    if has_batchnorm(model):
+        warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
+                      "statistics (each micro-batch is normalised alone), so micro x accum is not "
+                      "equivalent to one large batch for them", stacklevel=1)
+    if plan.precision == "bf16-pure" and not is_ds:
+        model = model.to(torch.bfloat16)
+    model = apply_plan(model, plan)
+    num_params, num_trainable = count_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cpu_offload = is_ds and plan.offload_optimizer != "none"
+    if is_ds and "optimizer" in ds_config:
+        # The DeepSpeed file names the optimizer (FusedAdam on GPU, DeepSpeedCPUAdam under
+        # offload): DeepSpeed builds it; Accelerate wants a placeholder (accelerate/utils/deepspeed.py).
+        from accelerate.utils import DummyOptim
+
+        optimizer = DummyOptim(params, lr=run.lr)
+    else:
+        optimizer = build_optimizer(params, plan, run, cpu_offload=cpu_offload)
+        if cpu_offload:
+            # We pass DeepSpeedCPUAdam ourselves (with our betas/eps); stop Accelerate from rebuilding
+            # it with lr/weight_decay only (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed).
+            ds_config["zero_force_ds_cpu_optimizer"] = False
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, num_params, num_trainable
 
 
 def _trainer_state(step: int, tokens_seen: int, data: PackedData, plan: TrainingPlan, run: RunConfig,

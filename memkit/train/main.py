@@ -102,8 +102,7 @@ def prepare(args: argparse.Namespace):
     seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
     if seq_len is None:
         raise MemkitError("no sequence length: pass --seq-len or a --plan")
-    tokenizer = load_tokenizer(source.folder if source.has_weights or source.folder else None,
-                               vocab_size=config.vocab_size)
+    tokenizer = load_tokenizer(source.folder, vocab_size=config.vocab_size)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
                         vocab_size=config.vocab_size, seed=args.seed)
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)

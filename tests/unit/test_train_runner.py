@@ -2,7 +2,6 @@
 normalisation over an accumulation window, LoRA merging, checkpoint discovery, launch scripts."""
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -257,3 +256,20 @@ def test_flops_per_token_palm_appendix_b():
     assert mfu(1000.0, full, None) is None
     assert math.isclose(train_flops_per_token(num_params=10**9, num_trainable_params=0, num_layers=0,
                                               hidden_size=0, seq_len=0), 4e9)
+
+
+def test_memkit_train_dry_run_uses_the_plans_accelerate_config(tmp_path, capsys):
+    from memkit.cli.main import main
+    from runner_util import TEXT_DATA, write_tiny_llama
+
+    plan = TrainingPlan(precision="fp32", zero_stage=2, micro_batch_size=1, seq_len=64, dp=2)
+    config, plan_path = write_bundle(tmp_path / "bundle", plan)
+    write_tiny_llama(tmp_path / "tiny")
+    assert main(["train", "--plan", str(plan_path), "--model", str(tmp_path / "tiny"), "--data", str(TEXT_DATA),
+                 "--output-dir", str(tmp_path / "out"), "--max-steps", "7", "--resume", "--dry-run"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(config)]
+    assert cmd[5].endswith("launch/finetune.py")
+    args = cmd[6:]
+    assert args[args.index("--max-steps") + 1] == "7" and args[args.index("--plan") + 1] == str(plan_path)
+    assert "--resume" in args and args[args.index("--output-dir") + 1] == str(tmp_path / "out")
