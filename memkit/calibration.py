@@ -362,9 +362,9 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
             # engine shards states for any stage > 0, so stage 1 prices the same sharded states.
             zero_for_pp = 1
             approx.append("FSDP inside PP stages priced as torch engine zero_stage=1 (states sharded)")
-    if tp > 1 and "torchtitan" in record.get("framework", "").lower():
-        approx.append("torchtitan TP applies sequence parallel to norms; memkit keeps hidden-sized "
-                      "activations whole on every TP rank")
+    # torchtitan's TP plan is sequence parallel with loss parallel (torchtitan/parallelisms/
+    # parallelize_llama.py apply_tp): priced with plan.sequence_parallel.
+    sequence_parallel = tp > 1 and "torchtitan" in record.get("framework", "").lower()
     if any("compile" in e for e in extras):
         approx.append("torch.compile (fused kernels save fewer intermediates)")
     if any("float8" in e for e in extras):
@@ -396,6 +396,7 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         offload_optimizer=offload_opt, offload_params=offload_par, checkpointing=checkpointing,
         attention=attention, micro_batch_size=int(micro), grad_accum=int(accum), seq_len=int(seq),
         dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
+        sequence_parallel=sequence_parallel,
         pp_schedule=pp_schedule, **lora_kw)
     alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
     if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):

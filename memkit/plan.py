@@ -43,6 +43,10 @@ class TrainingPlan:
     pp: int = 1
     tp_engine: str = "autotp"
     """How TP runs: DeepSpeed AutoTP ('autotp') or transformers tp_plan/DTensor ('tp_plan')."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard the hidden-sized activations (norms, residuals, dropout) and the loss
+    over the TP ranks too (Korthikanti et al. 2022, Sec. 4.2.2; torchtitan's TP + loss parallel).
+    DeepSpeed AutoTP does not do this; torch tp_plan/DTensor plans can."""
     pp_engine: str = "torch"
     """How PP runs: torch.distributed.pipelining ('torch') or DeepSpeed PipelineModule ('deepspeed')."""
     pp_schedule: str = "1f1b"
@@ -124,6 +128,10 @@ class TrainingPlan:
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
+        if self.sequence_parallel and self.tp == 1:
+            raise MemkitError("sequence parallel shards activations over tensor-parallel ranks; use --tp >= 2")
+        if self.sequence_parallel and self.tp_engine == "autotp":
+            raise MemkitError("DeepSpeed AutoTP has no sequence parallelism; use tp engine tp_plan")
         if self.tp > 1 and self.engine == "deepspeed" and self.tp_engine == "autotp" and self.zero_stage == 3:
             raise MemkitError("DeepSpeed AutoTP training supports ZeRO 0-2, not 3; use --zero 2 or lower")
         if self.pp > 1 and self.zero_stage > 1:

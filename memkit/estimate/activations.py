@@ -13,7 +13,7 @@ hidden-sized ones whole (Korthikanti et al. 2022, Table 2, "tensor parallel" row
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memkit.estimate.tape import Sym, Tape
 from memkit.plan import TrainingPlan
@@ -253,6 +253,15 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     b = micro_batch_size or plan.micro_batch_size
     tokens = b * plan.seq_len
     linears = spec.encoder_layer_linears if encoder else spec.layer_linears
+    if plan.sequence_parallel and plan.tp > 1:
+        # Tensor + sequence parallel: every saved tensor of the block is 1/t of the unsplit one
+        # (Korthikanti et al. 2022, Table 2: sbh(34/t + 5as/(ht)) against sbh(34 + 5as/h)).
+        whole = block_activations(spec, replace(plan, tp=1, sequence_parallel=False),
+                                  micro_batch_size=b, encoder=encoder, device=device)
+        t = plan.tp
+        return BlockActivations(saved_bytes=whole.saved_bytes // t, input_bytes=whole.input_bytes // t,
+                                backward_transient_bytes=whole.backward_transient_bytes // t,
+                                by_label={k: v // t for k, v in whole.by_label.items()})
     replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
     replay.run(x)
@@ -288,6 +297,15 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     (transformers/loss/loss_utils.py: logits.float() then cross_entropy = log_softmax + nll_loss)."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
+    if plan.sequence_parallel and plan.tp > 1:
+        # Loss parallel: the final norm runs on a sequence shard and the logits stay sharded by
+        # vocabulary (torch.distributed.tensor.parallel.loss_parallel).
+        whole = head_activations(spec, replace(plan, tp=1, sequence_parallel=False),
+                                 micro_batch_size=b, device=device)
+        t = plan.tp
+        return HeadActivations(saved_bytes=whole.saved_bytes // t, forward_peak_bytes=whole.forward_peak_bytes // t,
+                               backward_peak_bytes=whole.backward_peak_bytes // t,
+                               embedding_bytes=whole.embedding_bytes // t)
     tokens = b * plan.seq_len
     tape = Tape(autocast=num.autocast, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)

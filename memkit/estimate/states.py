@@ -146,8 +146,13 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
     # ZeRO-3
     st.gradients_grow = False
     part = _div(psi - rp.num_persistent, n) + rp.num_persistent
-    gathered = min(rp.largest_module + min(plan.stage3_prefetch_bucket_size, rp.largest_module),
-                   plan.stage3_max_live_parameters) * wb
+    # Gathered parameters: the running block plus the prefetch bucket; and where the forward turns
+    # into backward, every parameter whose next use is within stage3_max_reuse_distance elements
+    # stays gathered (deepspeed/runtime/zero/partitioned_param_coordinator.py, release_sub_module),
+    # all bounded by stage3_max_live_parameters.
+    working = rp.largest_module + min(plan.stage3_prefetch_bucket_size, rp.largest_module)
+    retained = min(plan.stage3_max_reuse_distance, psi)
+    gathered = min(max(working, retained), max(plan.stage3_max_live_parameters, working)) * wb
     if plan.offload_params != "none":
         where = "host" if plan.offload_params == "cpu" else "nvme"
         if where == "host":
