@@ -134,7 +134,9 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
             st.optimizer_states = optim
             # The basic optimizer steps one flat fp32 partition (a single tensor).
             st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
-        ipg = min(plan.reduce_bucket_size, max(psi_t, 1)) * grad_b * (2 if plan.overlap_comm else 1)
+        # The ipg bucket is allocated at its configured size whatever the model's size
+        # (stage_1_and_2.py setup_buckets); two of them with overlap_comm.
+        ipg = plan.reduce_bucket_size * grad_b * (2 if plan.overlap_comm else 1)
         if zero == 2:
             st.gradients_grow = False
             st.backward_buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
@@ -178,7 +180,7 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
         st.optimizer_states = optim
         st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
     st.gradients = 0 if plan.offload_optimizer != "none" else _div(psi_t, n) * wb
-    st.buffers["ipg_bucket"] = min(plan.reduce_bucket_size, max(psi_t, 1)) * wb
+    st.buffers["ipg_bucket"] = plan.reduce_bucket_size * wb  # stage3.py: allocated at its configured size
     return st
 
 
