@@ -18,22 +18,28 @@ from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 from memkit.units import GIB
 
-# (model, gpu, GPUs per node, nodes, global batch, seq len, tp, pp, host RAM GiB per node)
+# (model, gpu, GPUs per node, nodes, global batch, seq len, layout, host RAM GiB per node); layout:
+# "dp" pins tp=pp=1, "if-needed" is `memkit suggest`'s default (splits searched only when
+# nothing fits without them), "auto" lets tp/pp compete on speed (--tp auto --pp auto).
 CASES = [
-    ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, 1, 1, 256),
-    ("llama-3.1-8b", "a100-80gb", 8, 1, 128, 4096, 1, 1, 1024),
-    ("qwen2.5-32b", "a100-40gb", 8, 1, 64, 4096, 1, 1, 1024),
-    ("llama-3.1-70b", "h100-80gb", 8, 1, 64, 4096, 1, 1, 2048),
-    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, 1, 1, 1024),
-    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, None, None, 1024),
-    ("llama-3.1-70b", "h100-80gb", 8, 8, 1024, 8192, None, None, 2048),
-    ("llama-3.1-70b", "rtx-4090", 1, 1, 8, 4096, 1, 1, 256),
+    ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, "dp", 256),
+    ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, "if-needed", 256),
+    ("llama-3.1-8b", "a100-80gb", 8, 1, 128, 4096, "if-needed", 1024),
+    ("qwen2.5-32b", "a100-40gb", 8, 1, 64, 4096, "if-needed", 1024),
+    ("llama-3.1-70b", "h100-80gb", 8, 1, 64, 4096, "if-needed", 2048),
+    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, "dp", 1024),
+    ("llama-3.1-70b", "a100-80gb", 8, 8, 512, 4096, "auto", 1024),
+    ("llama-3.1-70b", "h100-80gb", 8, 8, 1024, 8192, "auto", 2048),
+    ("llama-3.1-70b", "rtx-4090", 1, 1, 8, 4096, "if-needed", 256),
+    ("llama-3.1-70b", "rtx-4090", 8, 1, 64, 4096, "if-needed", 256),
 ]
 
 
 def run_case(case, repeat: int) -> list[str]:
-    model_name, gpu, per_node, nodes, batch, seq, tp, pp, host_gib = case
-    request = Request(model=load_model_spec(model_name), global_batch_size=batch, seq_len=seq, tp=tp, pp=pp,
+    model_name, gpu, per_node, nodes, batch, seq, layout, host_gib = case
+    pinned = 1 if layout == "dp" else None
+    request = Request(model=load_model_spec(model_name), global_batch_size=batch, seq_len=seq, tp=pinned,
+                      pp=pinned, split="auto" if layout == "auto" else "if-needed",
                       hardware=Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes,
                                         host_ram_bytes_per_node=host_gib * GIB))
     times = []
@@ -49,7 +55,7 @@ def run_case(case, repeat: int) -> list[str]:
         except NoPlanFits as exc:
             outcome = f"no plan fits ({len(exc.misses)} nearest misses)"
         times.append(time.perf_counter() - start)
-    layout = f"tp={'auto' if tp is None else tp} pp={'auto' if pp is None else pp}"
+    layout = "tp=1 pp=1" if layout == "dp" else layout
     return [f"{model_name} {nodes}x{per_node} {gpu}", f"{batch}x{seq}", layout, str(shapes or "-"),
             str(estimates or "-"), f"{statistics.median(times) * 1000:.0f} ms", outcome]
 

@@ -112,7 +112,8 @@ def render(chosen, misses) -> dict[str, str]:
         bundle = bundle_files(doc, out_dir=out_dir, largest_param_numel=result.request.model.vocab_size
                               * result.request.model.hidden_size)
         for fname in FILES:
-            files[f"plans/{req.name}/{fname}"] = bundle[fname]
+            if fname in bundle:  # a pipeline plan has no ds_config.json
+                files[f"plans/{req.name}/{fname}"] = bundle[fname]
         rows.append((req, doc))
     files["README.md"] = _readme(rows, misses)
     return files

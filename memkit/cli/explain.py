@@ -108,6 +108,8 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         lines.append(f"searched {search['num_structures']} plan shapes with {search['num_memory_estimates']} "
                      f"memory estimates{took}")
     lines += ["", f"Chosen plan: {doc.get('label', '')}"]
+    if doc.get("split_reason"):
+        lines.append(f"  split: {doc['split_reason']}")
     precision_note = {"fp16": "mixed, fp32 master weights, dynamic loss scaling",
                       "bf16": "mixed, fp32 master weights", "bf16-pure": "weights, grads, optimizer states in bf16",
                       "fp32": "full precision"}[plan["precision"]]
@@ -123,6 +125,9 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
                   f"{seqs} sequences = {seqs * plan['seq_len']:,} tokens"),
         ("tp / pp / dp", f"{plan['tp']} / {plan['pp']} / {plan['dp']}"),
     ]
+    for split, how in (doc.get("engines") or {}).items():
+        if how and split in ("tensor_parallel", "pipeline_parallel"):
+            knobs.append((split.replace("_", " "), how))
     if plan["lora_rank"]:
         knobs.append(("LoRA", f"rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                               f"targets {','.join(plan['lora_targets'])}"))

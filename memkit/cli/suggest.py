@@ -34,9 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--checkpointing", choices=CHECKPOINTING)
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
-    pins.add_argument("--tp", default="1", help="tensor-parallel degree or 'auto' (default 1: the runner "
-                                                "trains data-parallel only)")
-    pins.add_argument("--pp", default="1", help="pipeline-parallel degree or 'auto' (default 1)")
+    pins.add_argument("--tp", default=None,
+                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto': also split when the step-time "
+                           "model says it is faster. Default: data parallel, split only if nothing fits otherwise")
+    pins.add_argument("--pp", default=None,
+                      help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",
                       help="device memory left unused for fragmentation, variable-length batches and "
                            "eval spikes (default 10%%)")
@@ -62,8 +64,8 @@ def parse_headroom(text: str) -> float:
     return fraction
 
 
-def parse_degree(text: str, flag: str) -> int | None:
-    if str(text).lower() == "auto":
+def parse_degree(text: str | None, flag: str) -> int | None:
+    if text is None or str(text).lower() == "auto":
         return None
     try:
         value = int(text)
@@ -88,13 +90,15 @@ def request_from_args(args: argparse.Namespace):
         offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
         checkpointing=args.checkpointing, attention=args.attention, max_micro_batch=args.max_micro_batch,
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
-        pp=parse_degree(args.pp, "--pp")).validate()
+        pp=parse_degree(args.pp, "--pp"),
+        split="auto" if "auto" in (str(args.tp).lower(), str(args.pp).lower()) else "if-needed").validate()
 
 
 def request_dict(request) -> dict:
     """The workload and the pins, as plan.json records them (pins only when given)."""
     out = {"global_batch_size": request.global_batch_size, "seq_len": request.seq_len,
-           "headroom": request.headroom, "objective": request.objective, "attention": request.attention}
+           "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
+           "split": request.split}
     for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
                 "checkpointing", "max_micro_batch", "tp", "pp"):
         value = getattr(request, key)
@@ -137,6 +141,8 @@ def document_for(result, *, lr: float, elapsed_s: float | None = None, version_i
         notes=list(result.notes) + ([f"micro-batch limit: {chosen.micro_limit}"] if chosen.micro_limit else []),
         version_info=version_info)
     doc["budget_bytes"] = req.budget_bytes
+    if result.split_reason:
+        doc["split_reason"] = result.split_reason
     doc["search"] = {"num_structures": result.num_structures, "num_memory_estimates": result.num_memory_estimates}
     if elapsed_s is not None:
         doc["search"]["seconds"] = round(elapsed_s, 4)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from memkit.train.main import add_arguments as finetune_arguments
     from memkit.train.main import prepare
 
-    prepare(args)  # raises MemkitError (one line, exit 2) on bad data/model/plan
+    prepare(args, launched=False)  # raises MemkitError (one line, exit 2) on bad data/model/plan
     config_file = accelerate_config_for(args.plan, args.config_file)
     parser = argparse.ArgumentParser(add_help=False)
     finetune_arguments(parser)

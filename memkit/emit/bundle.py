@@ -1,7 +1,9 @@
 """Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json and README.md.
 
-The only emitter that touches disk. `bundle_files` builds the four texts (pure, used by the
-presets generator and its staleness test); `write_bundle` writes them.
+The only emitter that touches disk. `bundle_files` builds the texts (pure, used by the presets
+generator and its staleness test); `write_bundle` writes them. Plans that do not run under
+DeepSpeed (pipeline parallel) have no ds_config.json: their accelerate.yaml is a plain
+multi-process launch and plan.json's "engines" says what runs each split.
 """
 from __future__ import annotations
 
@@ -45,12 +47,41 @@ def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory
         "label": label,
         "estimate": memory.to_dict(),
         "step_time": speed.to_dict(),
+        "engines": engines(plan),
         "trainer_arguments": trainer_arguments(plan, lr=lr),
         "alternatives": alternatives or [],
         "rejected": rejected or [],
         "notes": notes or [],
         "versions": versions() if version_info is None else version_info,
     }
+
+
+def engines(plan: TrainingPlan) -> dict:
+    """Which engine runs each split of `plan` (plan.json's "engines"; None: no such split)."""
+    ds = plan.engine == "deepspeed"
+    if ds:
+        dp = f"DeepSpeed ZeRO-{plan.zero_stage}" + (" (AutoTP data-parallel groups)" if plan.tp > 1 else "")
+    elif plan.pp > 1:
+        dp = "gradient all-reduce over the pipeline replicas (memkit.train.parallel)"
+    else:
+        dp = "PyTorch DDP (Accelerate)"
+    return {
+        "launcher": "accelerate launch, DeepSpeed (ds_config.json)" if ds
+        else "accelerate launch, torchrun processes (no DeepSpeed)",
+        "data_parallel": dp if plan.dp > 1 else None,
+        "tensor_parallel": (f"DeepSpeed AutoTP training, autotp_size {plan.tp} (ds_config.json tensor_parallel)"
+                            if plan.tp_engine == "autotp" else f"transformers tp_plan (DTensor), tp {plan.tp}")
+        if plan.tp > 1 else None,
+        "pipeline_parallel": (f"torch.distributed.pipelining, {plan.pp} stages, "
+                              f"{'Schedule1F1B' if plan.pp_schedule == '1f1b' else 'ScheduleGPipe'} over "
+                              f"{plan.grad_accum} micro-batches" if plan.pp_engine == "torch"
+                              else f"DeepSpeed PipelineModule, {plan.pp} stages") if plan.pp > 1 else None,
+    }
+
+
+def file_names(plan: TrainingPlan) -> tuple[str, ...]:
+    """The files of `plan`'s bundle: no ds_config.json when the plan does not run under DeepSpeed."""
+    return FILES if plan.engine == "deepspeed" else tuple(f for f in FILES if f != "ds_config.json")
 
 
 def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme",
@@ -62,16 +93,18 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
     plan = TrainingPlan.from_dict(document["plan"])
     hw = document["hardware"]
     lr = document["trainer_arguments"]["learning_rate"]
-    ds = deepspeed_config(plan, lr=lr, nvme_path=nvme_path, largest_param_numel=largest_param_numel)
-    ds_path = f"{out_dir.rstrip('/')}/ds_config.json"
+    files = {}
+    ds_path = None
+    if plan.engine == "deepspeed":
+        ds = deepspeed_config(plan, lr=lr, nvme_path=nvme_path, largest_param_numel=largest_param_numel)
+        ds_path = f"{out_dir.rstrip('/')}/ds_config.json"
+        files["ds_config.json"] = json.dumps(ds, indent=2) + "\n"
     acc = accelerate_config(plan, deepspeed_config_file=ds_path, num_gpus_per_node=hw["num_gpus_per_node"],
                             num_nodes=hw["num_nodes"], main_process_ip=main_process_ip)
-    return {
-        "accelerate.yaml": yaml.safe_dump(acc, sort_keys=False),
-        "ds_config.json": json.dumps(ds, indent=2) + "\n",
-        "plan.json": json.dumps(document, indent=2) + "\n",
-        "README.md": readme(document, out_dir=out_dir.rstrip("/")),
-    }
+    files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
+    files["plan.json"] = json.dumps(document, indent=2) + "\n"
+    files["README.md"] = readme(document, out_dir=out_dir.rstrip("/"))
+    return {name: files[name] for name in file_names(plan)}
 
 
 def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
@@ -138,6 +171,9 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"| checkpointing / attention | {plan['checkpointing']} / {plan['attention']} |",
         f"| tp / pp / dp | {plan['tp']} / {plan['pp']} / {plan['dp']} |",
     ]
+    for split, how in (document.get("engines") or {}).items():
+        if how and split in ("tensor_parallel", "pipeline_parallel"):
+            lines.append(f"| {split.replace('_', ' ')} | {how} |")
     if plan["lora_rank"]:
         lines.append(f"| LoRA | rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                      f"targets {', '.join(plan['lora_targets'])} |")
@@ -149,19 +185,36 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"| predicted speed | {speed['tokens_per_s']:,.0f} tokens/s, {speed['step_time_s']:.2f} s/step, "
         f"MFU {speed['mfu']:.0%} |",
         "",
-        "Files: `accelerate.yaml` (processes and machines; it points at the DeepSpeed file and sets "
-        "nothing else), `ds_config.json` (every DeepSpeed setting, explicit values), `plan.json` "
-        "(the plan, memkit's estimate and the versions it was made with; `memkit explain "
-        f"{out_dir}/plan.json` prints it).",
-        "",
-        "With Hugging Face Trainer instead, pass `--deepspeed "
-        f"{out_dir}/ds_config.json` and these TrainingArguments, which the file must agree with:",
-        "",
-        "```",
-        " ".join(f"--{k} {v}" for k, v in targs.items()),
-        "```",
-        "",
     ]
+    if plan["engine"] == "deepspeed":
+        lines += [
+            "Files: `accelerate.yaml` (processes and machines; it points at the DeepSpeed file and sets "
+            "nothing else), `ds_config.json` (every DeepSpeed setting, explicit values), `plan.json` "
+            "(the plan, memkit's estimate and the versions it was made with; `memkit explain "
+            f"{out_dir}/plan.json` prints it).",
+            "",
+        ]
+        if plan["tp"] == 1:
+            lines += [
+                "With Hugging Face Trainer instead, pass `--deepspeed "
+                f"{out_dir}/ds_config.json` and these TrainingArguments, which the file must agree with:",
+                "",
+                "```",
+                " ".join(f"--{k} {v}" for k, v in targs.items()),
+                "```",
+                "",
+            ]
+        else:
+            lines += ["Under AutoTP, DeepSpeed counts every process in its batch check, so "
+                      "`train_batch_size` in ds_config.json is micro x accum x dp x tp; only dp shards "
+                      "see distinct data (launch/finetune.py feeds a TP group one batch).", ""]
+    else:
+        lines += [
+            "Files: `accelerate.yaml` (a plain multi-process launch: no DeepSpeed; launch/finetune.py "
+            "splits the model into pipeline stages itself), `plan.json` (the plan, memkit's estimate, "
+            f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
+            "",
+        ]
     if plan["checkpointing"] == "full":
         lines += ["The plan counts on activation checkpointing of every decoder block "
                   "(`model.gradient_checkpointing_enable()`; Trainer: gradient checkpointing on).", ""]

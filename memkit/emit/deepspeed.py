@@ -38,8 +38,13 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: floa
     parameter offload needs a swap buffer at least that large.
     """
     plan.validate()
+    if plan.pp > 1 or plan.engine != "deepspeed":
+        raise MemkitError(
+            f"plan with engine {plan.engine!r} (tp={plan.tp}, pp={plan.pp}) does not run under DeepSpeed, "
+            "so it has no DeepSpeed config; memkit's pipeline runs through torch.distributed.pipelining "
+            "(use the accelerate.yaml written beside plan.json)")
     config: dict = {
-        "train_batch_size": plan.global_batch_size,
+        "train_batch_size": deepspeed_train_batch_size(plan),
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": plan.gradient_clipping,
@@ -73,6 +78,19 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: floa
     if plan.tp > 1 and plan.tp_engine == "autotp":
         config["tensor_parallel"] = {"autotp_size": plan.tp}
     return config
+
+
+def deepspeed_train_batch_size(plan: TrainingPlan) -> int:
+    """train_batch_size as DeepSpeed checks it: micro x accum x every rank it counts as a data rank.
+
+    Without an `mpu` (Accelerate passes none, nor does memkit's runner), DeepSpeed takes
+    dist.get_world_size() as the data-parallel size (deepspeed/runtime/config.py,
+    DeepSpeedConfig.__init__ and _batch_assertion), so under AutoTP the tp ranks of a group count
+    too although they see the same batch: micro x accum x dp x tp. Accelerate fills the value the
+    same way, micro x accum x num_processes (accelerate/accelerator.py, _prepare_deepspeed)."""
+    if plan.tp > 1 and plan.tp_engine == "autotp":
+        return plan.micro_batch_size * plan.grad_accum * plan.dp * plan.tp
+    return plan.global_batch_size
 
 
 def _zero_block(plan: TrainingPlan, nvme_path: str, largest_param_numel: int) -> dict:

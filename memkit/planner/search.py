@@ -16,6 +16,12 @@ near-ties (within 1% of the budget) go to the faster plan.
 
 Tiers: AdamW with mixed precision / fp32 first; pure bf16 and 8-bit AdamW / Adafactor only when
 nothing in the first tier fits (they change the training numerics), and the result says so.
+
+Model splits (tp/pp > 1, unpinned): with split 'if-needed' (the default) a tier is searched over
+data-parallel layouts first and over the split layouts only when none of those fits or meets the
+batch; with 'auto' all layouts compete on the step-time model. Either way tp/pp is chosen when,
+and only when, nothing fits otherwise or it is faster, and `SearchResult.split_reason` says which.
+A split keeps the numerics (AdamW and the same precision), so it comes before the lean tier.
 """
 from __future__ import annotations
 
@@ -80,6 +86,8 @@ class SearchResult:
     notes: tuple[str, ...]
     num_structures: int
     num_memory_estimates: int
+    split_reason: str = ""
+    """Why the chosen plan splits the model (tp or pp > 1); '' when it does not."""
 
 
 class NoPlanFits(NoFeasiblePlan):
@@ -161,27 +169,106 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
     all_rejected: list[Rejection] = []
     num_structures = 0
     tier_list = tiers(request)
+    phases = _phases(request, lays)
     for i, tier in enumerate(tier_list):
-        structs = [s for lay in lays for s in structures(request, tier, lay)]
-        num_structures += len(structs)
-        if request.objective == "memory":
-            found, rejected = _search_memory(ev, structs, tier)
-        else:
-            found, rejected = _search_throughput(ev, structs, tier, keep=num_alternatives + 2)
-        all_rejected += rejected
-        if found:
+        tier_rejected: list[Rejection] = []
+        for phase_index, phase in enumerate(phases):
+            structs = [s for lay in phase for s in structures(request, tier, lay)]
+            num_structures += len(structs)
+            found, rejected = _run(ev, structs, tier, keep=num_alternatives + 2)
+            tier_rejected += rejected
+            if not found:
+                continue
             if i > 0:
                 notes.append(f"no {tier_list[0].name}-tier plan (AdamW, mixed precision or fp32) fits; "
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
             chosen = found[0]
             alternatives = _distinct(found[1:], chosen, num_alternatives)
             # Rejected plans that would have been faster: the "why not X?" the CLI answers.
-            better = [r for r in rejected if r.step_time_s < chosen.speed.step_time_s]
+            better = [r for r in tier_rejected if r.step_time_s < chosen.speed.step_time_s]
             better = _distinct_rejections(ev, better, num_rejections)
+            reason = ""
+            if chosen.plan.tp > 1 or chosen.plan.pp > 1:
+                reason = _split_reason(request, ev, tier, chosen, lays, fallback=phase_index > 0,
+                                       earlier=tier_rejected)
             return SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
                                 rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
-                                num_memory_estimates=ev.num_calls)
+                                num_memory_estimates=ev.num_calls, split_reason=reason)
+        all_rejected += tier_rejected
     raise _no_fit(request, ev, all_rejected)
+
+
+def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):
+    if ev.request.objective == "memory":
+        return _search_memory(ev, structs, tier)
+    return _search_throughput(ev, structs, tier, keep=keep)
+
+
+def _is_split(layout: tuple[int, int, int]) -> bool:
+    return layout[0] > 1 or layout[1] > 1
+
+
+def _phases(request: Request, lays: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Layout groups searched in order within a tier: under 'if-needed', data parallel first and
+    the splits only if it finds nothing; under 'auto' (or pinned degrees), all at once."""
+    plain = [lay for lay in lays if not _is_split(lay)]
+    split = [lay for lay in lays if _is_split(lay)]
+    if request.split == "auto" or not plain or not split:
+        return [lays]
+    return [plain, split]
+
+
+def split_name(plan: TrainingPlan) -> str:
+    """'tensor parallel 2 (DeepSpeed AutoTP)' / 'pipeline parallel 2 (torch.distributed.pipelining, 1F1B)'."""
+    if plan.tp > 1:
+        return f"tensor parallel {plan.tp} (DeepSpeed AutoTP)"
+    return f"pipeline parallel {plan.pp} (torch.distributed.pipelining, {plan.pp_schedule.upper()})"
+
+
+_TERM_WORDS = {
+    "dp_comm": "data-parallel communication (ZeRO gathers and gradient reductions)",
+    "offload_transfer": "offload traffic over PCIe",
+    "host_overhead": "per-layer host overhead (ZeRO-3 hooks)",
+    "recompute": "activation recomputation",
+    "optimizer_step": "the optimizer step",
+    "compute": "compute at a small micro-batch",
+}
+
+
+def _split_reason(request: Request, ev: "_Evaluator", tier: Tier, chosen: Candidate,
+                  lays: list[tuple[int, int, int]], *, fallback: bool, earlier: list[Rejection]) -> str:
+    """One line: why the chosen plan splits the model."""
+    name = split_name(chosen.plan)
+    pinned = [f"--{k} {getattr(request, k)}" for k in ("tp", "pp")
+              if getattr(request, k) is not None and getattr(request, k) > 1]
+    if pinned:
+        return f"{name}: pinned by {' '.join(pinned)}"
+    plain = [lay for lay in lays if not _is_split(lay)]
+    if not plain:
+        dps = sorted({request.hardware.num_gpus})
+        return (f"{name}: the global batch {request.global_batch_size} cannot be split over "
+                f"{', '.join(map(str, dps))} data-parallel ranks, so the model is split instead")
+    if fallback:
+        misses = [r for r in earlier if not _is_split((r.plan.tp, r.plan.pp, r.plan.dp)) and r.overshoot != float("inf")]
+        nearest = min((_exact(ev, r) for r in misses), key=lambda r: r.overshoot, default=None)
+        if nearest is None:
+            return f"{name}: no data-parallel plan fits"
+        return f"{name}: does not fit otherwise (nearest data-parallel plan {nearest.label}: {nearest.reason})"
+    # 'auto': the data-parallel plans were in the running; compare with the best of them.
+    structs = [s for lay in plain for s in structures(request, tier, lay)]
+    found, _ = _run(ev, structs, tier, keep=1)
+    if not found:
+        return f"{name}: does not fit otherwise (no data-parallel plan fits)"
+    best = found[0]
+    if request.objective == "memory":
+        return (f"{name}: lowest per-GPU peak ({chosen.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB vs "
+                f"{best.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB for {best.label})")
+    ours, theirs = chosen.speed.components_s, best.speed.components_s
+    term = max(_TERM_WORDS, key=lambda k: theirs.get(k, 0.0) - ours.get(k, 0.0))
+    ratio = best.speed.step_time_s / chosen.speed.step_time_s
+    return (f"{name}: {ratio:.2f}x faster than the best data-parallel plan ({best.label}, "
+            f"{best.speed.step_time_s:.2f} s/step vs {chosen.speed.step_time_s:.2f}) by the step-time model; "
+            f"it saves {_TERM_WORDS[term]}: {theirs.get(term, 0.0):.2f} s vs {ours.get(term, 0.0):.2f} s per step")
 
 
 class _Pruner:
@@ -259,7 +346,7 @@ def _lean_rank(plan: TrainingPlan) -> tuple:
 def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
     entries = []
     for index, s in enumerate(structs):
-        micros = micro_batch_options(ev.request, s.dp)
+        micros = micro_batch_options(ev.request, s.dp, s.pp)
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
         entries.append((min(times), index, s, micros, times))
     entries.sort(key=lambda e: (e[0], e[1]))

@@ -4,6 +4,13 @@ A *structure* is a plan with everything fixed except the micro-batch (and hence 
 accumulation); search.py finds the largest micro-batch that fits for each structure, because
 memory only grows with the micro-batch. Batch arithmetic is exact: micro * accum * dp equals
 the requested global batch or the layout is not offered.
+
+Model splits are offered only as the runner (launch/finetune.py) runs them
+(memkit.train.parallel.validate_parallel is the authority): tensor parallel through DeepSpeed
+AutoTP (engine deepspeed, ZeRO 0-2, inside a node, degrees dividing heads, KV heads and the MLP
+width, no offload, no LoRA) and pipeline parallel through torch.distributed.pipelining (engine
+torch, ZeRO 0, 1F1B with at least pp micro-batches), never both in one plan, only for the
+families in TP_MODEL_TYPES / PP_MODEL_TYPES; tp * pp * dp = GPUs.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ step, and evaluation / checkpoint saving add short spikes. 10% of an 80 GB card 
 24 GB card 2.4 GB - about what those effects take in practice. --headroom overrides it."""
 
 OBJECTIVES = ("throughput", "memory")
+SPLIT_MODES = ("if-needed", "auto")
+"""When unpinned tp/pp > 1 are considered: 'if-needed' only when no data-parallel plan of the
+tier fits (or meets the batch); 'auto' always, competing with data-parallel plans on speed."""
 
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -54,10 +64,15 @@ class Request:
     max_micro_batch: int | None = None
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    tp: int | None = 1
-    """Tensor-parallel degree; None searches the degrees that divide the heads and the node."""
-    pp: int | None = 1
-    """Pipeline-parallel degree; None searches powers of two up to the number of layers."""
+    tp: int | None = None
+    """Tensor-parallel degree; None lets the planner choose (see `split`) among the degrees that
+    divide the heads, the KV heads, the MLP width and the GPUs per node."""
+    pp: int | None = None
+    """Pipeline-parallel degree; None lets the planner choose among powers of two up to the
+    number of layers."""
+    split: str = "if-needed"
+    """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
+    'auto' (also when the step-time model says a split is faster). SPLIT_MODES."""
 
     @property
     def budget_bytes(self) -> int:
@@ -106,6 +121,8 @@ class Request:
             raise MemkitError(f"--lora-targets {','.join(self.lora_targets)} match no linear of {model.name}; "
                               f"its linears: {', '.join(model.linear_names())}")
         num_gpus = self.hardware.num_gpus
+        if self.split not in SPLIT_MODES:
+            raise MemkitError(f"split mode {self.split!r} is not one of {', '.join(SPLIT_MODES)}")
         if self.tp is not None:
             if self.tp < 1 or self.hardware.num_gpus_per_node % self.tp:
                 raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
@@ -125,18 +142,32 @@ class Request:
                 raise MemkitError(f"--pp {self.pp} exceeds the {model.total_layers} layers of {model.name}")
             if self.pp > 1 and self.lora_rank:
                 raise MemkitError("--pp > 1 with --lora-rank: LoRA plans are data-parallel only; use --pp 1")
-        # Contradictory pins: let TrainingPlan.validate() say it in its own words. Unpinned ZeRO
-        # takes the first stage the other pins allow.
+        if (self.tp or 1) > 1 and ("cpu" in (self.offload_optimizer, self.offload_params)
+                                   or "nvme" in (self.offload_optimizer, self.offload_params)):
+            raise MemkitError(f"--tp {self.tp} with offload: memkit runs DeepSpeed AutoTP without "
+                              "ZeRO offload; use --offload-optimizer none / --offload-params none or --tp 1")
+        if (self.pp or 1) > 1:
+            per_rank_max = self.global_batch_size // (num_gpus // (self.pp * (self.tp or 1)))
+            if per_rank_max < self.pp:
+                raise MemkitError(
+                    f"--pp {self.pp} with --global-batch-size {self.global_batch_size}: the 1F1B pipeline "
+                    f"needs at least {self.pp} micro-batches per step on each of the "
+                    f"{num_gpus // (self.pp * (self.tp or 1))} pipelines; use --global-batch-size >= "
+                    f"{self.pp * (num_gpus // (self.pp * (self.tp or 1)))}")
+        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split, the runner's
+        # validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
+        # other pins allow.
+        tp, pp = self.tp or 1, self.pp or 1
         error = None
         for zero in ([self.zero_stage] if self.zero_stage is not None else [0, 1, 2, 3]):
-            probe = TrainingPlan(
+            probe = split_plan(TrainingPlan(
                 precision=self.precision or ("bf16" if gpu.bf16 else "fp16"),
                 optimizer=self.optimizer or "adamw", zero_stage=zero,
                 offload_optimizer=self.offload_optimizer or "none",
                 offload_params=self.offload_params or "none",
                 checkpointing=self.checkpointing or "none", attention=self.attention,
                 seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets,
-                tp=self.tp or 1, pp=self.pp or 1, dp=1)
+                tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp))
             try:
                 probe.validate()
                 break
@@ -144,6 +175,8 @@ class Request:
                 error = exc
         else:
             raise error
+        if tp > 1 or pp > 1:
+            runnable(model, probe, self.hardware)
         return self
 
     def hardware_dict(self) -> dict:
@@ -179,27 +212,61 @@ def tiers(request: Request) -> list[Tier]:
     return [reference, lean]
 
 
-def layouts(request: Request) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) with dp dividing the global batch; MemkitError when none does."""
+def runnable(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
+    """MemkitError unless the runner can run `plan`'s split (memkit.train.parallel, torch-free)."""
+    from memkit.train.parallel import validate_parallel
+
+    validate_parallel(model, plan, hardware)
+
+
+def split_plan(plan: TrainingPlan) -> TrainingPlan:
+    """`plan` with the engines its split runs on: AutoTP inside DeepSpeed for tp > 1, plain torch
+    with torch.distributed.pipelining (1F1B) for pp > 1."""
+    if plan.pp > 1:
+        return plan.with_(engine="torch", pp_engine="torch", pp_schedule="1f1b")
+    if plan.tp > 1:
+        return plan.with_(engine="deepspeed", tp_engine="autotp")
+    return plan
+
+
+def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
+    """Degrees the runner can split this model into (memkit.train.parallel's families)."""
+    from memkit.train.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES
+
     model, hw = request.model, request.hardware
-    num_gpus = hw.num_gpus
-    if request.tp is not None:
-        tps = [request.tp]
-    elif request.lora_rank:
-        tps = [1]
-    else:
-        tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.num_gpus_per_node and hw.num_gpus_per_node % t == 0
-               and model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0]
-    if request.pp is not None:
-        pps = [request.pp]
-    elif request.lora_rank or model.kind != "decoder":
-        pps = [1]
-    else:
-        pps = [p for p in (1, 2, 4, 8, 16, 32) if p <= model.num_layers]
-    every = [(t, p, num_gpus // (t * p)) for t in tps for p in pps if num_gpus % (t * p) == 0]
-    good = [(t, p, dp) for t, p, dp in every if request.global_batch_size % dp == 0]
+    splittable = model.kind == "decoder" and not request.lora_rank
+    tps = [1]
+    if splittable and model.model_type in TP_MODEL_TYPES:
+        tps += [t for t in (2, 4, 8, 16) if t <= hw.num_gpus_per_node and hw.num_gpus_per_node % t == 0
+                and model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0
+                and model.intermediate_size % t == 0]
+    pps = [1]
+    if splittable and model.model_type in PP_MODEL_TYPES:
+        pps += [p for p in (2, 4, 8, 16, 32) if p <= model.num_layers]
+    return tps, pps
+
+
+def layouts(request: Request) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) with dp dividing the global batch and, under a pipeline, at least pp
+    micro-batches per step (1F1B); never tp > 1 with pp > 1 (the runner cannot combine them).
+    MemkitError when none meets the batch."""
+    num_gpus = request.hardware.num_gpus
+    tps, pps = _split_degrees(request)
+    tps = [request.tp] if request.tp is not None else tps
+    pps = [request.pp] if request.pp is not None else pps
+    every = [(t, p, num_gpus // (t * p)) for t in tps for p in pps
+             if num_gpus % (t * p) == 0 and (t == 1 or p == 1)]
+    good = [(t, p, dp) for t, p, dp in every
+            if request.global_batch_size % dp == 0 and request.global_batch_size // dp >= p]
     if not good:
         raise MemkitError(_batch_message(request.global_batch_size, sorted({dp for _, _, dp in every})))
+    if request.split == "if-needed" and (1, 1, num_gpus) in every and (1, 1, num_gpus) not in good:
+        # A model split is for memory or speed, not to make the batch arithmetic work behind the
+        # user's back: say so, and how to allow it.
+        others = sorted({dp for _, _, dp in good})
+        raise MemkitError(_batch_message(request.global_batch_size, [num_gpus])
+                          + f"; or allow a model split with --tp auto / --pp auto (data-parallel "
+                            f"degrees {', '.join(map(str, others))})")
     return good
 
 
@@ -215,11 +282,12 @@ def _batch_message(global_batch: int, dps: list[int]) -> str:
             f"{', '.join(map(str, sorted(nearby)))}")
 
 
-def micro_batch_options(request: Request, dp: int) -> tuple[int, ...]:
-    """Micro-batch sizes that divide the per-rank batch exactly (no silent flooring)."""
+def micro_batch_options(request: Request, dp: int, pp: int = 1) -> tuple[int, ...]:
+    """Micro-batch sizes that divide the per-rank batch exactly (no silent flooring); under a
+    pipeline, only those leaving at least pp micro-batches (torch Schedule1F1B needs them)."""
     per_rank = request.global_batch_size // dp
     cap = request.max_micro_batch or per_rank
-    return tuple(m for m in range(1, min(per_rank, cap) + 1) if per_rank % m == 0)
+    return tuple(m for m in range(1, min(per_rank, cap) + 1) if per_rank % m == 0 and per_rank // m >= pp)
 
 
 def _offload_combos(request: Request, zero: int) -> list[tuple[str, str]]:
@@ -273,6 +341,10 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     tp, pp, dp = layout
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
+    if pp > 1:
+        zeros = [z for z in zeros if z == 0]  # the runner's pipeline keeps whole states per stage
+    elif tp > 1:
+        zeros = [z for z in zeros if z <= 2]  # DeepSpeed AutoTP training: ZeRO 0-2
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
     accum = request.global_batch_size // dp
     out: list[TrainingPlan] = []
@@ -281,7 +353,10 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
             for zero in zeros:
                 if precision == "bf16-pure" and zero == 0:
                     continue  # DeepSpeed keeps bf16 master weights only under ZeRO 1-3
-                for off_opt, off_par in _offload_combos(request, zero):
+                combos = _offload_combos(request, zero)
+                if tp * pp > 1:  # the runner's splits run without ZeRO offload
+                    combos = [c for c in combos if c == ("none", "none")]
+                for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
                         for ckpt in ckpts:
                             plan = TrainingPlan(
@@ -291,8 +366,11 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
                                 overlap_comm=overlap, **buckets)
+                            plan = split_plan(plan)
                             try:
                                 plan.validate()
+                                if tp * pp > 1:
+                                    runnable(request.model, plan, request.hardware)
                             except MemkitError:
                                 continue
                             out.append(plan)

@@ -153,6 +153,8 @@ def knobs_from_deepspeed(ds_config: dict) -> dict:
     optimizer_type = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     if optimizer_type:
         out["optimizer"] = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}.get(optimizer_type, optimizer_type)
+    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
+    out["tp"] = max(1, autotp) if isinstance(autotp, int) and not isinstance(autotp, bool) else 1
     for key, knob in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
                       ("gradient_accumulation_steps", "grad_accum"), ("gradient_clipping", "gradient_clipping")):
         value = ds_config.get(key)
@@ -175,7 +177,8 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
 
     plan.json and flags: a flag that contradicts the plan is an error (the plan is what was
     estimated). The DeepSpeed file is what DeepSpeed runs, so its knobs must match the plan; without
-    a plan.json they are taken from it. The data-parallel degree is the launched world size.
+    a plan.json they are taken from it. Without a split the data-parallel degree is the launched
+    world size; with tp/pp (plan.json only) dp * tp * pp must be the world size.
     """
     flags = {k: v for k, v in flags.items() if v is not None}
     unknown = set(flags) - set(PLAN_FLAGS)
@@ -216,9 +219,22 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
                               "accelerate.yaml` (the DeepSpeed one written beside plan.json)")
         if plan is None:
             result = result.with_(engine="torch")
+        if result.tp > 1 and result.tp_engine == "autotp":
+            raise MemkitError(f"the plan has tp={result.tp} (DeepSpeed AutoTP) but this run is not under "
+                              f"DeepSpeed ({distributed_type}); launch with the accelerate.yaml written "
+                              "beside plan.json")
+    if ds_config is not None and result.pp > 1:
+        raise MemkitError(f"the plan has pp={result.pp}, which runs through torch.distributed.pipelining, "
+                          "but this run is under DeepSpeed; launch with the accelerate.yaml written "
+                          "beside plan.json (no DeepSpeed file)")
     if result.tp > 1 or result.pp > 1:
-        raise MemkitError(f"the runner trains data-parallel only; plan has tp={result.tp} pp={result.pp} "
-                          "(tensor/pipeline splits are issue #5)")
+        if plan is None and world_size % (result.tp * result.pp) == 0:
+            result = result.with_(dp=world_size // (result.tp * result.pp))
+        if result.num_gpus != world_size:
+            raise MemkitError(f"plan.json splits the model over dp*tp*pp = {result.dp}*{result.tp}*{result.pp} = "
+                              f"{result.num_gpus} processes but {world_size} were launched; use num_processes: "
+                              f"{result.num_gpus} or make a plan for {world_size} GPUs")
+        return result.validate()
     if plan is not None and plan.dp != world_size:
         raise MemkitError(f"plan.json expects {plan.dp} data-parallel processes but {world_size} were "
                           f"launched; use num_processes: {plan.dp} (accelerate launch --num_processes "
@@ -228,9 +244,11 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
 
 def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
     """Replace 'auto' batch/clipping values in a user's DeepSpeed config with the plan's; return keys."""
+    from memkit.emit.deepspeed import deepspeed_train_batch_size
+
     values = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
               "gradient_accumulation_steps": plan.grad_accum,
-              "train_batch_size": plan.global_batch_size,
+              "train_batch_size": deepspeed_train_batch_size(plan),
               "gradient_clipping": plan.gradient_clipping}
     filled = []
     for key, value in values.items():
@@ -238,3 +256,43 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
             ds_config[key] = value
             filled.append(key)
     return filled
+
+
+# ---- model splits ---------------------------------------------------------------------------------
+
+def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path, model_name: str,
+                resume: str | None, save_every: int, env: dict | None) -> None:
+    """Before any process group exists: MemkitError (one line, exit 2) unless the runner can run
+    `plan`'s tensor/pipeline split on this model and this launch (memkit.train.parallel
+    .validate_parallel, rank_layout), and unless it is asked for what split runs cannot do yet.
+    env: the launched process's environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE); None before
+    the launch, when only the plan and the model can be checked."""
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import spec_from_config
+    from memkit.train.parallel import rank_layout, validate_parallel
+
+    what = f"tp={plan.tp}" if plan.tp > 1 else f"pp={plan.pp}"
+    if resume is not None:
+        raise MemkitError(f"--resume with {what}: checkpoints of tensor/pipeline-split runs are not supported "
+                          "yet; start the run afresh (or use a data-parallel plan, which resumes exactly)")
+    if save_every:
+        raise MemkitError(f"--save-every {save_every} with {what}: checkpoints of tensor/pipeline-split runs "
+                          "are not supported yet; drop --save-every")
+    spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
+                            config_path=str(config_path))
+    hw = (plan_doc or {}).get("hardware") or {}
+    try:
+        gpu = find_gpu(hw.get("gpu") or "a100-80gb")
+    except MemkitError:  # a --gpu-memory plan: A100-class, as its estimate assumed
+        gpu = find_gpu("a100-80gb")
+    per_node = int(hw.get("num_gpus_per_node") or plan.num_gpus)
+    hardware = Hardware(gpu=gpu, num_gpus_per_node=per_node, num_nodes=int(hw.get("num_nodes") or 1))
+    validate_parallel(spec, plan, hardware)  # the model and the machines the plan was made for
+    if env is None:
+        return
+    world = int(env.get("WORLD_SIZE", "1"))
+    rank_layout(plan, rank=int(env.get("RANK", "0")), world_size=world)  # the launched world
+    launched_per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+    if plan.tp > 1 and launched_per_node % plan.tp:
+        raise MemkitError(f"tp={plan.tp} but {launched_per_node} processes per node were launched, so a "
+                          f"TP group would span nodes; launch a multiple of {plan.tp} processes per node")

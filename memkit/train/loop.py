@@ -11,6 +11,16 @@ exactly sum / T_window, so micro 1 x accum 4 and micro 4 x accum 1 give the same
 (the fix Hugging Face describes in "Fixing Gradient Accumulation", huggingface.co/blog/
 gradient_accumulation, 2024). T_window is known on every rank without communication because
 every rank holds the packed data set and the sampling order (data.Sharding).
+
+Model splits (plan.json with tp or pp > 1; memkit.train.parallel). Tensor parallel runs inside
+the DeepSpeed engine (AutoTP: the ds_config's tensor_parallel block), so the loop above holds
+with `dp` the plan's data-parallel degree: the data are sharded by RankLayout.dp_rank (every
+rank of a TP group reads the same batch, as AutoTP requires) and DeepSpeed averages gradients
+over the dp group only. Pipeline parallel replaces the engine: every rank builds the seeded
+model, keeps its stage (apply_pipeline_parallel), and each step runs the schedule over the
+grad_accum micro-batches (PipelineParallel.step, which normalises by the window's target tokens
+the same way), clips by the global norm over all stages and steps a plain torch optimizer.
+Checkpoints and the final model folder are data-parallel features for now.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from memkit.errors import MemkitError
@@ -29,6 +40,7 @@ from memkit.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_final_model
 from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
+from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 
 EXIT_OOM = 3
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -73,12 +85,17 @@ def make_accelerator(plan: TrainingPlan, run: RunConfig):
 
     handlers = []
     launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if launched and not use_deepspeed and not torch.cuda.is_available() \
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A multi-GPU (torchrun) config on a machine without GPUs, as in a CPU rehearsal: run the
+        # processes as Accelerate's MULTI_CPU (gloo) would, which `--cpu` would ask for.
+        os.environ["ACCELERATE_USE_CPU"] = "true"
     if launched:
         kwargs = {"timeout": timedelta(seconds=run.dist_timeout_s)}
         if not torch.cuda.is_available():
             kwargs["backend"] = "gloo"
         handlers.append(InitProcessGroupKwargs(**kwargs))
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     mixed = None
     if not use_deepspeed:
         mixed = {"fp32": "no", "bf16-pure": "no", "bf16": "bf16", "fp16": "fp16"}[plan.precision]
@@ -209,14 +226,25 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         accelerator.gradient_accumulation_steps = plan.grad_accum
     if is_ds:
         fill_deepspeed_autos(ds_config, plan)
-    rank, dp = accelerator.process_index, accelerator.num_processes
+    world = accelerator.num_processes
+    layout = rank_layout(plan, rank=accelerator.process_index, world_size=world)
+    if is_ds and plan.tp > 1:  # AutoTP: the tensor_parallel block and DeepSpeed's batch arithmetic
+        ds_config.update(autotp_deepspeed_config(ds_config, plan))
+    # Data shards: dp of them; every rank of a TP group and of a pipeline reads its shard.
+    rank, dp, data_rank = accelerator.process_index, plan.dp, layout.dp_rank
+    pipe = None
     main = accelerator.is_main_process
     out_dir = run.output_dir
     log = JsonlLog(out_dir / "log.jsonl" if main else None)
     device = accelerator.device
 
-    model, optimizer, num_params, num_trainable = _model_and_optimizer(
-        accelerator, plan, run, model_source, model_config, ds_config=ds_config)
+    if plan.pp > 1:
+        pipe, optimizer, num_params, num_trainable = _pipeline_and_optimizer(
+            plan, run, layout, model_source, model_config, device=device)
+        model = pipe.module
+    else:
+        model, optimizer, num_params, num_trainable = _model_and_optimizer(
+            accelerator, plan, run, model_source, model_config, ds_config=ds_config)
     engine = model if is_ds else None
     meter = MemoryMeter(device, tracker=tracker)
 
@@ -239,7 +267,10 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
     peak_tflops = gpu_peak_tflops(device, plan.precision)
     start_record = {
-        "event": "start", "world_size": dp, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "event": "start", "world_size": world, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "degrees": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}, "layout": layout.to_dict(),
+        "split_engines": {"tp": "deepspeed-autotp" if plan.tp > 1 else None,
+                          "pp": f"torch.distributed.pipelining-{plan.pp_schedule}" if plan.pp > 1 else None},
         "backend": accelerator.state.backend, "device": str(device), "plan": plan.to_dict(),
         "deepspeed_config": ds_config, "num_params": num_params, "num_trainable_params": num_trainable,
         "data": {"source": data.source, "kind": data.kind, "num_sequences": data.num_sequences,
@@ -251,6 +282,10 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     log.write(start_record)
     if main and run.lr_scaling_note:
         print(f"memkit: {run.lr_scaling_note}", file=sys.stderr)
+    if main and (plan.tp > 1 or plan.pp > 1):
+        print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}"
+              + ("; the final model folder is not written for tensor/pipeline-split runs yet"
+                 if run.save_final else ""), file=sys.stderr)
 
     stop = StopFlag().install()
     progress = None
@@ -279,13 +314,22 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
             if run.debug_oom_at_step == step + 1 and rank == 0:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
                                              "(simulated: MEMKIT_DEBUG_OOM_AT_STEP)")
-            local_loss, grad_norm = _accumulate_window(
-                accelerator, model, optimizer, data, sharding.rank_micro_batches(step, rank),
-                device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds)
+            micro_batches = sharding.rank_micro_batches(step, data_rank)
+            if pipe is not None:
+                loss, grad_norm = _pipeline_step(pipe, optimizer, data, micro_batches, plan)
+                # Every rank holds the step's mean loss: rank 0 alone carries it into the sum below.
+                local_loss = loss * window_tokens if rank == 0 else 0.0
+                skipped = False
+            else:
+                local_loss, grad_norm = _accumulate_window(
+                    accelerator, model, optimizer, data, micro_batches,
+                    device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds)
+                if layout.tp_rank:  # the ranks of a TP group saw one batch: count it once
+                    local_loss = local_loss * 0
             if is_ds:
                 grad_norm = engine.get_global_grad_norm()
                 skipped = not engine.was_step_applied()
-            else:
+            elif pipe is None:
                 skipped = bool(accelerator.optimizer_step_was_skipped)
             # One collective per step: the window's loss sum and "does any rank want to stop".
             if run.debug_signal_at_step == step + 1 and rank == 0:
@@ -294,7 +338,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
                 os.kill(os.getppid() if launched else os.getpid(), signal.SIGTERM)
             stats = torch.tensor([float(local_loss), 1.0 if stop.signum else 0.0], dtype=torch.float64,
                                  device=device)
-            if dp > 1:
+            if world > 1:
                 torch.distributed.all_reduce(stats)
             stats = stats.cpu()
             if device.type == "cuda":
@@ -325,9 +369,12 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
                 progress.update(1)
             want_stop = float(stats[1]) > 0
             periodic = run.save_every and step % run.save_every == 0 and step < run.max_steps
-            if periodic or want_stop:
+            if want_stop and plan.tp * plan.pp > 1:
+                log.write({"event": "checkpoint", "step": step, "path": None,
+                           "note": "not written: tensor/pipeline-split runs have no checkpoints yet"})
+            elif periodic or want_stop:
                 crash = run.debug_crash_in_save_at_step == step
-                path = manager.save(step, _trainer_state(step, tokens_seen, data, plan, run, dp),
+                path = manager.save(step, _trainer_state(step, tokens_seen, data, plan, run, world),
                                     crash_before_publish=crash)
                 log.write({"event": "checkpoint", "step": step, "path": str(path)})
             if want_stop:
@@ -343,7 +390,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     # ---- end of run ----
     mem = meter.sample()  # the training peak, before the final gather/save adds its copies
     final_dir = None
-    if interrupted_by is None and run.save_final:
+    if interrupted_by is None and run.save_final and plan.tp * plan.pp == 1:
         final_dir = out_dir / "final"
         lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
         save_final_model(accelerator, model, tokenizer, final_dir, lora_scaling=lora_scaling)
@@ -351,7 +398,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
                           mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
                          dtype=torch.float64, device=device)
-    if dp > 1:
+    if world > 1:
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     peaks = [int(v) for v in peaks.cpu().tolist()]
     tokens_per_s = steady_median([tokens_per_step / t for t in step_times])
@@ -364,7 +411,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
                   "host_rss_peak_bytes": peaks[3], "tokens_per_s": tokens_per_s,
                   "step_time_s": steady_median(step_times),
                   "mfu": mfu(tokens_per_s or 0.0, flops_per_token, peak_tflops)},
-        world_size=dp, distributed_type=start_record["distributed_type"],
+        world_size=world, distributed_type=start_record["distributed_type"],
         final_dir=str(final_dir) if final_dir else None)
     log.write({"event": "end", **report})
     if main:
@@ -374,7 +421,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         if run.report_json is not None:
             Path(run.report_json).write_text(json.dumps(report, indent=1, sort_keys=True))
     # Free DeepSpeed/DDP state before the process group goes (gloo can hang at exit otherwise).
-    del model, optimizer, engine
+    del model, optimizer, engine, pipe
     accelerator.free_memory()
     if interrupted_by is not None:
         report["exit_code"] = EXIT_SIGNAL.get(interrupted_by, 143)
@@ -401,6 +448,33 @@ def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_ba
                 optimizer.zero_grad(set_to_none=True)
         local_loss += loss_sum.detach().double().cpu()
     return local_loss, grad_norm
+
+
+def _pipeline_step(pipe, optimizer, data: PackedData, micro_batches, plan: TrainingPlan):
+    """One optimizer step of a pipeline stage: the schedule over this dp shard's micro-batches
+    (they become the pipeline's micro-batches, in order), the global-norm clip, the step.
+    Returns (the step's mean loss, the same on every rank; the gradient norm before clipping)."""
+    batch = data.batch(np.concatenate(micro_batches))
+    loss = pipe.step(batch["input_ids"], batch["labels"])
+    grad_norm = pipe.clip_grad_norm_(plan.gradient_clipping)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def _pipeline_and_optimizer(plan: TrainingPlan, run: RunConfig, layout, model_source, model_config, *, device):
+    """The seeded whole model built on every rank, cut to this rank's stage, and a plain torch
+    optimizer over the stage's parameters. Returns (pipe, optimizer, num_params, num_trainable)."""
+    from memkit.train.model import apply_plan, build_model, count_params
+
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    if plan.precision == "bf16-pure":
+        model = model.to(torch.bfloat16)
+    model = apply_plan(model, plan)
+    num_params, num_trainable = count_params(model)  # the whole model, as the data-parallel path logs
+    pipe = apply_pipeline_parallel(model, plan, layout, device=device)
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    return pipe, build_optimizer(params, plan, run, cpu_offload=False), num_params, num_trainable
 
 
 def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_source, model_config, *,

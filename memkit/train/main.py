@@ -81,10 +81,11 @@ def plan_flags(args: argparse.Namespace) -> dict:
             "gradient_clipping": args.gradient_clipping}
 
 
-def prepare(args: argparse.Namespace):
+def prepare(args: argparse.Namespace, *, launched: bool = True):
     """Everything that can fail on bad input, before any process group exists:
-    (plan or None, plan_doc, flags, RunConfig, model source, model config, tokenizer, data)."""
-    from memkit.train.config import RunConfig, plan_model_name, read_plan_file, scaled_lr
+    (plan or None, plan_doc, flags, RunConfig, model source, model config, tokenizer, data).
+    launched=False (`memkit train`, before it starts the launcher) skips the launched-world check."""
+    from memkit.train.config import RunConfig, check_split, plan_model_name, read_plan_file, scaled_lr
     from memkit.train.data import prepare_data
     from memkit.train.model import load_config, max_positions, resolve_model
     from memkit.train.tokenizer import load_tokenizer
@@ -98,6 +99,9 @@ def prepare(args: argparse.Namespace):
         raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "
                           "that names one")
     source = resolve_model(model_name)
+    if plan is not None and (plan.tp > 1 or plan.pp > 1):
+        check_split(plan, plan_doc, config_path=source.config_path, model_name=model_name, resume=args.resume,
+                    save_every=args.save_every, env=dict(os.environ) if launched else None)
     config = load_config(source)
     seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
     if seq_len is None:
@@ -108,7 +112,7 @@ def prepare(args: argparse.Namespace):
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    global_batch = micro * accum * world
+    global_batch = micro * accum * (plan.dp if plan is not None and (plan.tp > 1 or plan.pp > 1) else world)
     lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
                          ref_batch_size=args.ref_batch_size)
     run = RunConfig(

@@ -19,7 +19,7 @@ import yaml
 
 from memkit.emit.accelerate import accelerate_config
 from memkit.emit.bundle import FILES, bundle_files, plan_document, write_bundle
-from memkit.emit.deepspeed import deepspeed_config, trainer_arguments
+from memkit.emit.deepspeed import deepspeed_config, deepspeed_train_batch_size, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
@@ -46,14 +46,17 @@ CASES = {
     "z3-fp16-nvme-2gpu": (dict(zero_stage=3, precision="fp16", offload_optimizer="nvme", offload_params="nvme"), 2, 1),
     "z3-bf16pure-2gpu": (dict(zero_stage=3, precision="bf16-pure"), 2, 1),
     "z1-bf16-tp2-4gpu": (dict(zero_stage=1, tp=2), 4, 1),
+    "z0-bf16-pp2-2gpu": (dict(zero_stage=0, pp=2, engine="torch"), 2, 1),
 }
+DS_CASES = [name for name, (knobs, _, _) in CASES.items() if knobs.get("engine", "deepspeed") == "deepspeed"]
+TORCH_CASES = [name for name in CASES if name not in DS_CASES]
 
 
 def _plan(name: str) -> tuple[TrainingPlan, int, int]:
     knobs, per_node, nodes = CASES[name]
     gpus = per_node * nodes
-    tp = knobs.get("tp", 1)
-    plan = TrainingPlan(micro_batch_size=2, grad_accum=3, seq_len=1024, dp=gpus // tp, **knobs).validate()
+    split = knobs.get("tp", 1) * knobs.get("pp", 1)
+    plan = TrainingPlan(micro_batch_size=2, grad_accum=3, seq_len=1024, dp=gpus // split, **knobs).validate()
     return plan, per_node, nodes
 
 
@@ -104,18 +107,33 @@ def accepted(bundles) -> dict[str, dict]:
     return {Path(r["dir"]).name: r for r in map(json.loads, lines)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", DS_CASES)
 def test_deepspeed_parses_the_config_with_the_plan_batch(name, accepted):
     plan, _, _ = _plan(name)
     result = accepted[name]
     assert result["deepspeed"] == "ok", result["deepspeed"]
-    assert result["ds_train_batch_size"] == plan.global_batch_size
+    # What DeepSpeed counts as data ranks without an mpu: every process, dp x tp (see the checker).
+    assert result["ds_world_size"] == plan.dp * plan.tp
+    assert result["ds_train_batch_size"] == plan.micro_batch_size * plan.grad_accum * plan.dp * plan.tp
     assert result["ds_zero_stage"] == plan.zero_stage
     assert result["ds_offload_optimizer"] == plan.offload_optimizer
     assert result["ds_offload_param"] == plan.offload_params
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def test_autotp_batch_counts_every_process():
+    """micro 2 x accum 3 x dp 2 x tp 2 = 24; the data-parallel-only count (12) is what DeepSpeed
+    rejects at startup under AutoTP (the checker's ds_rejects_dp_world shows it does)."""
+    plan = _plan("z1-bf16-tp2-4gpu")[0]
+    assert (plan.dp, plan.tp, plan.global_batch_size) == (2, 2, 12)
+    assert deepspeed_config(plan)["train_batch_size"] == deepspeed_train_batch_size(plan) == 24
+    assert deepspeed_config(plan)["tensor_parallel"] == {"autotp_size": 2}
+
+
+def test_deepspeed_refuses_the_data_parallel_only_batch_under_autotp(accepted):
+    assert accepted["z1-bf16-tp2-4gpu"]["ds_rejects_dp_world"].startswith("AssertionError: Check batch related")
+
+
+@pytest.mark.parametrize("name", DS_CASES)
 def test_accelerate_loads_the_yaml_and_launch_accepts_it(name, accepted):
     plan, per_node, nodes = _plan(name)
     result = accepted[name]
@@ -128,21 +146,41 @@ def test_accelerate_loads_the_yaml_and_launch_accepts_it(name, accepted):
     assert result["effective_mixed_precision"] == expected
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", TORCH_CASES)
+def test_pipeline_bundle_is_a_plain_multi_process_launch(name, accepted, bundles):
+    plan, per_node, nodes = _plan(name)
+    result = accepted[name]
+    assert not (bundles[name] / "ds_config.json").exists()
+    assert result["deepspeed"] == "no DeepSpeed file" and result["accelerate"] == "ok", result
+    # accelerate launch starts it through torchrun (multi_gpu_launcher), not DeepSpeed.
+    assert result["distributed_type"] == "MULTI_GPU" and result["launcher_multi_gpu"] is True
+    assert result["launcher_use_deepspeed"] is False
+    assert result["num_processes"] == per_node * nodes == plan.num_gpus
+    expected = {"bf16": "bf16", "fp32": "no", "bf16-pure": "no"}[plan.precision]
+    assert result["mixed_precision_from_yaml"] is True and result["effective_mixed_precision"] == expected
+    doc = json.loads((bundles[name] / "plan.json").read_text())
+    assert doc["engines"]["pipeline_parallel"].startswith("torch.distributed.pipelining, 2 stages, Schedule1F1B")
+    assert doc["engines"]["tensor_parallel"] is None and "no DeepSpeed" in doc["engines"]["launcher"]
+    with pytest.raises(MemkitError, match="does not run under DeepSpeed"):
+        deepspeed_config(plan)
+
+
+@pytest.mark.parametrize("name", DS_CASES)
 def test_hf_trainer_takes_the_same_json(name, accepted):
     plan, _, _ = _plan(name)
     result = accepted[name]
     assert result["hf_deepspeed_config"] == "ok", result["hf_deepspeed_config"]
-    # One process here: Trainer computes train_batch_size with world size 1, so a plan for dp ranks
-    # differs exactly there and nowhere else.
-    expected = [] if plan.dp == 1 else [
-        f"- ds train_batch_size={plan.global_batch_size} vs hf train_batch_size (calculated)="
+    # One process here: Trainer computes train_batch_size with world size 1, so a plan for several
+    # ranks differs exactly there and nowhere else.
+    ds_batch = deepspeed_train_batch_size(plan)
+    expected = [] if ds_batch == plan.micro_batch_size * plan.grad_accum else [
+        f"- ds train_batch_size={ds_batch} vs hf train_batch_size (calculated)="
         f"{plan.micro_batch_size * plan.grad_accum}"]
     assert result["trainer_mismatches"] == expected
     assert result["trainer_zero3"] == (plan.zero_stage == 3)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", DS_CASES)
 def test_no_auto_values_and_integer_buckets(name, bundles):
     ds = json.loads((bundles[name] / "ds_config.json").read_text())
 
@@ -161,6 +199,9 @@ def test_no_auto_values_and_integer_buckets(name, bundles):
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_setting_lives_in_one_file(name, bundles):
     acc = yaml.safe_load((bundles[name] / "accelerate.yaml").read_text())
+    if name in TORCH_CASES:  # no DeepSpeed file: the YAML is the one place mixed precision is set
+        assert "deepspeed_config" not in acc and acc["mixed_precision"] in ("no", "bf16")
+        return
     assert "mixed_precision" not in acc
     assert set(acc["deepspeed_config"]) <= {"deepspeed_config_file", "zero3_init_flag",
                                             "deepspeed_multinode_launcher"}
@@ -169,7 +210,7 @@ def test_each_setting_lives_in_one_file(name, bundles):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_golden_files(name, bundles):
-    for fname in ("ds_config.json", "accelerate.yaml"):
+    for fname in ("ds_config.json", "accelerate.yaml") if name in DS_CASES else ("accelerate.yaml",):
         text = (bundles[name] / fname).read_text().replace(str(bundles[name].parent), "BUNDLES")
         golden = GOLDEN / name / fname
         if os.environ.get("MEMKIT_UPDATE_GOLDEN"):
@@ -190,6 +231,11 @@ def test_bundle_has_its_four_files_and_plan_json_contract(bundles):
     readme = (folder / "README.md").read_text()
     command = f"accelerate launch --config_file {folder}/accelerate.yaml launch/finetune.py --plan {folder}/plan.json"
     assert command in readme
+    assert doc["engines"] == {"launcher": "accelerate launch, DeepSpeed (ds_config.json)",
+                              "data_parallel": "DeepSpeed ZeRO-3", "tensor_parallel": None, "pipeline_parallel": None}
+    pp = bundles["z0-bf16-pp2-2gpu"]
+    assert sorted(p.name for p in pp.iterdir()) == sorted(f for f in FILES if f != "ds_config.json")
+    assert "ds_config.json" not in (pp / "README.md").read_text()
 
 
 def test_dynamic_loss_scaling_under_fp16():
@@ -238,31 +284,51 @@ def _check_bundle(folder: Path) -> dict:
     ds_path = folder / "ds_config.json"
     yaml_path = folder / "accelerate.yaml"
     plan = TrainingPlan.from_dict(json.loads((folder / "plan.json").read_text())["plan"])
+    if not ds_path.exists():  # a pipeline plan: a plain multi-process launch, nothing for DeepSpeed
+        result.update(deepspeed="no DeepSpeed file", hf_deepspeed_config="no DeepSpeed file")
+        try:
+            result.update(_check_accelerate_plain(yaml_path))
+            result["accelerate"] = "ok"
+        except Exception as exc:
+            result["accelerate"] = f"{type(exc).__name__}: {exc}"
+        return result
 
-    class DataParallelUnit:  # DeepSpeed's `mpu` interface: the data-parallel world size
+    class DataParallelUnit:  # DeepSpeed's `mpu` interface: the ranks its batch check counts
+        def __init__(self, size):
+            self.size = size
+
         def get_data_parallel_world_size(self):
-            return plan.dp
+            return self.size
 
         def get_data_parallel_rank(self):
             return 0
 
         def get_model_parallel_world_size(self):
-            return plan.tp
+            return 1
 
         def get_model_parallel_rank(self):
             return 0
 
+    # At run time neither Accelerate nor memkit's runner passes an mpu, so DeepSpeed counts
+    # dist.get_world_size() = dp x tp processes (deepspeed/runtime/config.py, DeepSpeedConfig).
+    world = plan.dp * plan.tp
     try:
-        cfg = DeepSpeedConfig(json.loads(ds_path.read_text()), mpu=DataParallelUnit())
+        cfg = DeepSpeedConfig(json.loads(ds_path.read_text()), mpu=DataParallelUnit(world))
         zero = cfg.zero_config
 
         def device(block):
             return "none" if block is None else str(getattr(block.device, "value", block.device))
-        result.update(deepspeed="ok", ds_train_batch_size=cfg.train_batch_size, ds_zero_stage=int(zero.stage),
-                      ds_offload_optimizer=device(zero.offload_optimizer),
+        result.update(deepspeed="ok", ds_world_size=cfg.world_size, ds_train_batch_size=cfg.train_batch_size,
+                      ds_zero_stage=int(zero.stage), ds_offload_optimizer=device(zero.offload_optimizer),
                       ds_offload_param=device(zero.offload_param))
     except Exception as exc:  # report, the test asserts
         result["deepspeed"] = f"{type(exc).__name__}: {exc}"
+    if plan.tp > 1:  # the data-parallel-only count is what DeepSpeed refuses under AutoTP
+        try:
+            DeepSpeedConfig(json.loads(ds_path.read_text()), mpu=DataParallelUnit(plan.dp))
+            result["ds_rejects_dp_world"] = "accepted"
+        except Exception as exc:
+            result["ds_rejects_dp_world"] = f"{type(exc).__name__}: {exc}"
     try:
         result.update(_check_accelerate(yaml_path, ds_path))
         result["accelerate"] = "ok"
@@ -296,6 +362,20 @@ def _check_accelerate(yaml_path: Path, ds_path: Path) -> dict:
     return {"distributed_type": cfg.distributed_type.value, "num_processes": cfg.num_processes,
             "num_machines": cfg.num_machines, "mixed_precision_from_yaml": bool(mp_from_yaml),
             "effective_mixed_precision": effective}
+
+
+def _check_accelerate_plain(yaml_path: Path) -> dict:
+    """What `accelerate launch --config_file` makes of a non-DeepSpeed YAML (commands/launch.py)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    cfg = load_config_from_file(str(yaml_path))
+    args = launch_command_parser().parse_args(["--config_file", str(yaml_path), "train.py"])
+    args, _, mp_from_yaml = _validate_launch_command(args)
+    return {"distributed_type": cfg.distributed_type.value, "num_processes": args.num_processes,
+            "num_machines": args.num_machines, "launcher_multi_gpu": bool(args.multi_gpu),
+            "launcher_use_deepspeed": bool(args.use_deepspeed), "mixed_precision_from_yaml": bool(mp_from_yaml),
+            "effective_mixed_precision": args.mixed_precision}
 
 
 def _check_transformers(ds_path: Path, plan: TrainingPlan) -> dict:

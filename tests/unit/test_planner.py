@@ -38,7 +38,7 @@ def brute_force_best(req: Request) -> float | None:
         best = None
         for layout in layouts(req):
             for s in structures(req, tier, layout):
-                for micro in micro_batch_options(req, s.dp):
+                for micro in micro_batch_options(req, s.dp, s.pp):
                     plan = with_micro(s, micro)
                     if fits(req, plan):
                         t = estimate_step_time(req.model, plan, req.hardware).step_time_s
@@ -52,11 +52,11 @@ CASES = {
     "8b-2x4090": lambda: request("llama-3.1-8b", hw("rtx-4090", 2), 64, 2048),
     "1b-t4-fp16": lambda: request("llama-3.2-1b", hw("t4", 2), 32, 1024),
     "0.5b-1x4090": lambda: request("qwen2.5-0.5b", hw("rtx-4090", 1), 16, 2048),
-    "3b-4xa10g-tp-auto": lambda: request("llama-3.2-3b", hw("a10g", 4), 32, 4096, tp=None),
+    "3b-4xa10g-tp-auto": lambda: request("llama-3.2-3b", hw("a10g", 4), 32, 4096, split="auto"),
     "8b-lora-1x4090": lambda: request("llama-3.1-8b", hw("rtx-4090", 1), 16, 2048, lora_rank=16),
     "8b-small-host-ram": lambda: request("llama-3.1-8b", hw("rtx-4090", 2, host_ram_bytes_per_node=96 * GIB),
                                          32, 2048),
-    "1b-2x2-pp-auto": lambda: request("llama-3.2-1b", hw("l4", 2, 2), 16, 2048, pp=None),
+    "1b-2x2-pp-auto": lambda: request("llama-3.2-1b", hw("l4", 2, 2), 16, 2048, split="auto"),
     "8b-memory-objective": lambda: request("llama-3.1-8b", hw("a100-40gb", 2), 32, 2048, objective="memory"),
 }
 
@@ -162,7 +162,7 @@ def test_impossible_global_batch_lists_nearby_achievable_ones():
 
 
 def test_tp_auto_can_meet_a_batch_that_pure_data_parallel_cannot():
-    result = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, tp=None))
+    result = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, split="auto"))
     plan = result.chosen.plan
     assert plan.dp in (1, 2, 4) and plan.global_batch_size == 4
     assert any("not divisible by 8 GPUs" in n for n in result.notes)

@@ -11,6 +11,7 @@ from memkit.estimate.memory import estimate_memory
 from memkit.planner import NoPlanFits, Request, search
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
+from memkit.train.parallel import validate_parallel
 from memkit.units import GIB
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-2-2b", "llama-3.1-8b", "phi-2", "opt-1.3b", "qwen2.5-14b"]
@@ -40,6 +41,7 @@ def requests(draw):
         allow_offload=draw(st.booleans()),
         max_micro_batch=draw(st.sampled_from([None, None, 2])),
         tp=1 if lora else draw(st.sampled_from([1, 1, None])),
+        split=draw(st.sampled_from(["if-needed", "if-needed", "auto"])),
     )
 
 
@@ -79,7 +81,14 @@ def test_every_answer_is_exact_and_within_budget(req):
             assert plan.micro_batch_size <= req.max_micro_batch
         assert plan.lora_rank == req.lora_rank
         assert plan.precision != "bf16" or req.hardware.gpu.bf16
+        assert not (plan.tp > 1 and plan.pp > 1)
+        if plan.tp > 1 or plan.pp > 1:
+            validate_parallel(req.model, plan, req.hardware)  # the runner can run what is offered
+        if plan.pp > 1:  # torch.distributed.pipelining: no DeepSpeed file, >= pp micro-batches
+            assert plan.engine == "torch" and plan.zero_stage == 0 and plan.grad_accum >= plan.pp
+            continue
         ds = deepspeed_config(plan)
-        assert ds["train_batch_size"] == req.global_batch_size
+        # DeepSpeed counts every process in its batch check (AutoTP: dp x tp of them).
+        assert ds["train_batch_size"] == req.global_batch_size * plan.tp
         per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
         assert per_rank * plan.dp == req.global_batch_size

@@ -27,7 +27,7 @@ DS_Z2 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, 
 def test_deepspeed_file_decides_zero_offload_precision_batch():
     assert knobs_from_deepspeed(DS_Z2) == {"zero_stage": 2, "offload_optimizer": "cpu", "offload_params": "none",
                                            "precision": "bf16", "optimizer": "adamw", "micro_batch_size": 2,
-                                           "grad_accum": 4, "gradient_clipping": 1.0}
+                                           "grad_accum": 4, "gradient_clipping": 1.0, "tp": 1}
     plan = resolve_plan(plan=None, flags={"seq_len": 128}, ds_config=DS_Z2, world_size=2,
                         distributed_type="DEEPSPEED")
     assert (plan.zero_stage, plan.offload_optimizer, plan.precision, plan.micro_batch_size, plan.grad_accum,
