@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
-                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto': also split when the step-time "
-                           "model says it is faster. Default: data parallel, split only if nothing fits otherwise")
+                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split when nothing "
+                           "fits otherwise or when the step-time model says the split is faster")
     pins.add_argument("--pp", default=None,
                       help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",
@@ -91,7 +91,7 @@ def request_from_args(args: argparse.Namespace):
         checkpointing=args.checkpointing, attention=args.attention, max_micro_batch=args.max_micro_batch,
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         pp=parse_degree(args.pp, "--pp"),
-        split="auto" if "auto" in (str(args.tp).lower(), str(args.pp).lower()) else "if-needed").validate()
+        split="auto").validate()
 
 
 def request_dict(request) -> dict:

@@ -70,7 +70,7 @@ class Request:
     pp: int | None = None
     """Pipeline-parallel degree; None lets the planner choose among powers of two up to the
     number of layers."""
-    split: str = "if-needed"
+    split: str = "auto"
     """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
     'auto' (also when the step-time model says a split is faster). SPLIT_MODES."""
 

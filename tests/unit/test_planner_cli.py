@@ -62,8 +62,8 @@ def test_out_writes_the_bundle_and_explain_reads_it_back(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--zero", "0", "--offload-optimizer", "cpu"], r"--offload-optimizer cpu needs ZeRO; use --zero 1, 2 or 3"),
-    (["--global-batch-size", "63"], r"--global-batch-size 63 cannot be met exactly.*nearby achievable global "
-                                    r"batches: 62, 64"),
+    (["--global-batch-size", "63", "--tp", "1", "--pp", "1"],
+     r"--global-batch-size 63 cannot be met exactly.*nearby achievable global batches: 62, 64"),
     (["--no-offload", "--offload-params", "cpu"], r"--offload-params cpu contradicts --no-offload"),
     (["--headroom", "lots"], r"--headroom 'lots' is not a number"),
     (["--tp", "two"], r"--tp 'two' must be a positive integer or 'auto'"),

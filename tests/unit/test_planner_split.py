@@ -34,10 +34,15 @@ def tight() -> Request:
 
 # ---- when a split is chosen ---------------------------------------------------------------------
 
-def test_default_splits_only_when_nothing_fits_otherwise():
+def test_default_split_mode_lets_splits_compete():
+    # Issue #5: split when the model does not fit otherwise OR the step-time model says it is faster.
+    assert tight().split == "auto"
+
+
+def test_if_needed_splits_only_when_nothing_fits_otherwise():
     with pytest.raises(NoPlanFits):
         search(Request(**{**_fields(tight()), "tp": 1, "pp": 1}))
-    result = search(tight())
+    result = search(Request(**{**_fields(tight()), "split": "if-needed"}))
     plan = result.chosen.plan
     assert (plan.tp, plan.pp) in ((2, 1), (1, 2)) and plan.dp == 1
     assert result.split_reason.startswith(("tensor parallel 2 (DeepSpeed AutoTP): does not fit otherwise "
@@ -47,10 +52,10 @@ def test_default_splits_only_when_nothing_fits_otherwise():
     assert "GiB budget)" in result.split_reason
 
 
-def test_default_keeps_data_parallel_when_it_fits_and_auto_splits_when_faster():
+def test_if_needed_keeps_data_parallel_when_it_fits_and_auto_splits_when_faster():
     # 4 x A100-40GB, 8k tokens: the step-time model prices tp=2 1.27x faster than the best
     # data-parallel plan (ZeRO-2 with optimizer offload, whose PCIe traffic tp avoids).
-    default = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192))
+    default = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="if-needed"))
     assert (default.chosen.plan.tp, default.chosen.plan.pp) == (1, 1) and default.split_reason == ""
     auto = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="auto"))
     assert auto.chosen.plan.tp == 2 and auto.chosen.speed.step_time_s < default.chosen.speed.step_time_s
@@ -74,7 +79,7 @@ def test_pinned_split_says_so():
 def test_if_needed_does_not_split_to_fix_the_batch_arithmetic():
     with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*; or allow a "
                                           r"model split with --tp auto / --pp auto \(data-parallel degrees 1, 2, 4\)"):
-        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024))
+        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024, split="if-needed"))
 
 
 # ---- what is offered: only what the runner runs ----------------------------------------------------
