@@ -16,6 +16,8 @@ rounding and fragmentation (c10/cuda/CUDACachingAllocator.cpp: 2 MiB blocks for 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_activations, numerics
 from memkit.estimate.result import MemoryEstimate
@@ -77,7 +79,7 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     worst = max(stages, key=lambda s: s.allocated_peak_bytes)
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
-        worst = _replace(worst, notes=notes)
+        worst = replace(worst, notes=notes)
     return worst
 
 
@@ -108,11 +110,6 @@ def _in_flight(plan: TrainingPlan, stage: int) -> int:
     if plan.pp_schedule == "gpipe":
         return plan.grad_accum
     return min(plan.pp - stage, plan.grad_accum)
-
-
-def _replace(est: MemoryEstimate, **changes) -> MemoryEstimate:
-    from dataclasses import replace
-    return replace(est, **changes)
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
@@ -281,7 +278,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     components = {k: int(v) for k, v in phases[peak_phase].items() if v}
 
     cuda = device == "cuda"
-    reserved = int(allocated * (1 + ALLOCATOR_SLACK)) + (64 * MIB if cuda else 0) if cuda else allocated
+    # + 64 MiB: small-block pools and segment rounding of the caching allocator.
+    reserved = int(allocated * (1 + ALLOCATOR_SLACK)) + 64 * MIB if cuda else allocated
     context = hardware.gpu.cuda_context_bytes if cuda else 0
 
     host = _host_bytes(model, plan, hardware, st)
@@ -308,7 +306,7 @@ def _landing(rp: RankParams, st, plan: TrainingPlan) -> int:
     if st.gradients_grow and plan.grad_accum == 1:
         return 0  # they are the stored gradients themselves
     wb = 2 if (plan.engine == "deepspeed" and plan.precision != "fp32") or plan.precision == "bf16-pure" else 4
-    return rp.layer_trainable * wb if plan.grad_accum > 1 or not st.gradients_grow else 0
+    return rp.layer_trainable * wb
 
 
 def _host_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, st) -> int:
