@@ -19,6 +19,9 @@ from __future__ import annotations
 from memkit.plan import TrainingPlan
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
+_LAUNCH_DEFAULTS = {"rdzv_backend": "static", "same_network": True, "main_training_function": "main",
+                    "use_cpu": False, "debug": False, "downcast_bf16": "no"}
+"""Launcher keys every memkit YAML writes with the same values (ClusterConfig fields)."""
 
 
 def accelerate_config(plan: TrainingPlan, *, deepspeed_config_file: str | None, num_gpus_per_node: int,
@@ -49,19 +52,12 @@ def accelerate_config(plan: TrainingPlan, *, deepspeed_config_file: str | None, 
         "num_processes": num_processes,
         "num_machines": num_nodes,
         "machine_rank": 0,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "main_training_function": "main",
-        "use_cpu": False,
-        "debug": False,
-        "downcast_bf16": "no",
+        **_LAUNCH_DEFAULTS,
     }
     if num_nodes > 1:
         # torchrun on every node (`--machine_rank i` on node i); no pdsh/ssh needed.
         ds["deepspeed_multinode_launcher"] = "standard"
-        config["main_process_ip"] = main_process_ip or "127.0.0.1"
-        config["main_process_port"] = main_process_port
-    return config
+    return _with_rendezvous(config, num_nodes, main_process_ip, main_process_port)
 
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "bf16-pure": "no", "fp16": "fp16"}
@@ -79,13 +75,13 @@ def _torch_config(plan: TrainingPlan, *, num_processes: int, num_nodes: int, mai
         "num_machines": num_nodes,
         "machine_rank": 0,
         "gpu_ids": "all",
-        "rdzv_backend": "static",
-        "same_network": True,
-        "main_training_function": "main",
-        "use_cpu": False,
-        "debug": False,
-        "downcast_bf16": "no",
+        **_LAUNCH_DEFAULTS,
     }
+    return _with_rendezvous(config, num_nodes, main_process_ip, main_process_port)
+
+
+def _with_rendezvous(config: dict, num_nodes: int, main_process_ip: str | None, main_process_port: int) -> dict:
+    """Multi-node runs name node 0's address and port; single-node runs need neither."""
     if num_nodes > 1:
         config["main_process_ip"] = main_process_ip or "127.0.0.1"
         config["main_process_port"] = main_process_port
