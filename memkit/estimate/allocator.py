@@ -1,0 +1,287 @@
+"""A model of PyTorch's CUDA caching allocator, replayed over the estimate's own alloc/free events.
+
+Rules from pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAllocator):
+- round_size(): every request is rounded up to a multiple of kMinBlockSize = 512 bytes;
+- get_pool(): requests <= kSmallSize (1 MiB) go to the small pool, larger ones to the large pool;
+- get_allocation_size(): a new segment (cudaMalloc) is kSmallBuffer = 2 MiB for small requests,
+  kLargeBuffer = 20 MiB for requests under kMinLargeAlloc = 10 MiB, else the request rounded up
+  to kRoundLarge = 2 MiB;
+- get_free_block(): best fit -- the smallest cached free block of the pool that is large enough
+  (std::set ordered by (size, address), lower_bound); with max_split_size set, a request below it
+  never takes an oversize block (>= max_split_size), and an oversize request takes a cached block
+  only if it is less than kLargeBuffer (max_non_split_rounding_size) larger than the request;
+- should_split(): the remainder of a found block becomes a free block if it is >= 512 bytes
+  (small pool, or any pool with expandable_segments) or > 1 MiB (large pool, only for requests
+  below max_split_size); otherwise the whole block is handed out and counted as allocated
+  (alloc_found_block increases allocated_bytes by block->size);
+- free_block() / try_merge_blocks(): a freed block merges with free neighbours of its segment;
+- alloc_block() failing (over the device): release_available_cached_blocks() then
+  release_cached_blocks() return whole free segments to the driver and the cudaMalloc is retried;
+- garbage_collection_threshold: once reserved memory passes that fraction of the allowed memory,
+  garbage_collect_cached_blocks() frees cached whole segments before a new cudaMalloc (torch frees
+  the least recently reused ones first; this model frees all whole free segments -- a bound);
+- expandable_segments (Note [Expandable Segments]): one segment per pool that grows by pages,
+  2 MiB for the small pool and 20 MiB for the large pool, mapped at the end; the tail is unmapped
+  when memory runs out.
+
+max_memory_allocated() is the peak of allocated block sizes; max_memory_reserved() the peak of
+segment sizes. `caching=False` models the CPU allocator (c10/core/impl/alloc_cpu.cpp: each
+tensor is its own malloc, freed at once), where reserved == allocated == requested bytes.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from memkit.units import MIB
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 * MIB
+K_SMALL_BUFFER = 2 * MIB
+K_LARGE_BUFFER = 20 * MIB
+K_MIN_LARGE_ALLOC = 10 * MIB
+K_ROUND_LARGE = 2 * MIB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocatorConfig:
+    """The PYTORCH_CUDA_ALLOC_CONF settings memkit models (c10/cuda/CUDAAllocatorConfig.cpp)."""
+
+    caching: bool = True
+    """False: the CPU allocator (no cache: reserved == allocated == requested)."""
+    max_split_size: int | None = None
+    """max_split_size_mb in bytes; None = unlimited (the default, SIZE_MAX)."""
+    expandable_segments: bool = False
+    garbage_collection_threshold: float = 0.0
+    capacity: int | None = None
+    """Bytes the allocator can obtain from the driver (device total minus what lives outside it)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayStats:
+    allocated_peak_bytes: int
+    """max_memory_allocated(): peak of allocated block sizes (rounded, unsplit remainders)."""
+    reserved_peak_bytes: int
+    """max_memory_reserved(): peak of segment bytes held from the driver."""
+    requested_peak_bytes: int
+    """Peak of the requested (unrounded) bytes: what the phase walk sums."""
+    num_segments: int
+    ran_out: bool = False
+    """A cudaMalloc would have failed even after releasing the cache (CUDA OOM)."""
+
+
+def round_size(size: int) -> int:
+    """round_size(): at least 512 bytes, a multiple of 512 (roundup_power2_divisions unset)."""
+    return K_MIN_BLOCK if size < K_MIN_BLOCK else -(-size // K_MIN_BLOCK) * K_MIN_BLOCK
+
+
+def allocation_size(size: int) -> int:
+    """get_allocation_size(): the segment a cudaMalloc for a rounded request of `size` gets."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("addr", "size", "small", "prev", "next", "free")
+
+    def __init__(self, addr: int, size: int, small: bool):
+        self.addr, self.size, self.small = addr, size, small
+        self.prev = self.next = None
+        self.free = True
+
+
+class CachingAllocator:
+    """One device's allocator state; `malloc` / `free` by caller-chosen keys."""
+
+    def __init__(self, config: AllocatorConfig = AllocatorConfig()):
+        self.cfg = config
+        self.pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr), sorted
+        self.blocks: dict[int, _Block] = {}  # addr -> free block in a pool
+        self.live: dict[object, tuple[_Block | None, int]] = {}
+        self.expandable: dict[bool, _Block] = {}  # pool -> last block of its expandable segment
+        self.next_addr = 0
+        self.allocated = self.reserved = self.requested = 0
+        self.allocated_peak = self.reserved_peak = self.requested_peak = 0
+        self.segments = 0
+        self.ran_out = False
+
+    # -- public -------------------------------------------------------------------------
+    def malloc(self, key: object, size: int) -> None:
+        if key in self.live:
+            raise ValueError(f"allocation key {key!r} is already live")
+        self.requested += size
+        self.requested_peak = max(self.requested_peak, self.requested)
+        if not self.cfg.caching:
+            self.live[key] = (None, size)
+            self.allocated = self.reserved = self.requested
+            self.allocated_peak = self.reserved_peak = self.requested_peak
+            return
+        rounded = round_size(size)
+        small = rounded <= K_SMALL_SIZE
+        block = self._find_free(rounded, small)
+        if block is None:
+            block = self._new_memory(rounded, small)
+        block = self._take(block, rounded)
+        self.live[key] = (block, size)
+        self.allocated += block.size
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+
+    def free(self, key: object) -> None:
+        block, size = self.live.pop(key)
+        self.requested -= size
+        if block is None:
+            self.allocated = self.reserved = self.requested
+            return
+        self.allocated -= block.size
+        block.free = True
+        for other in (block.prev, block.next):  # try_merge_blocks()
+            if other is not None and other.free:
+                self._pool_remove(other)
+                if other is block.prev:
+                    block.addr, block.prev = other.addr, other.prev
+                    if other.prev is not None:
+                        other.prev.next = block
+                else:
+                    block.next = other.next
+                    if other.next is not None:
+                        other.next.prev = block
+                    if self.expandable.get(block.small) is other:
+                        self.expandable[block.small] = block
+                block.size += other.size
+        self._pool_insert(block)
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats(allocated_peak_bytes=self.allocated_peak, reserved_peak_bytes=self.reserved_peak,
+                           requested_peak_bytes=self.requested_peak, num_segments=self.segments,
+                           ran_out=self.ran_out)
+
+    # -- pools ----------------------------------------------------------------------------
+    def _pool_insert(self, block: _Block) -> None:
+        insort(self.pools[block.small], (block.size, block.addr))
+        self.blocks[block.addr] = block
+
+    def _pool_remove(self, block: _Block) -> None:
+        pool = self.pools[block.small]
+        i = bisect_left(pool, (block.size, block.addr))
+        del pool[i]
+        del self.blocks[block.addr]
+
+    def _find_free(self, size: int, small: bool) -> _Block | None:
+        """get_free_block(): best fit, with the max_split_size rules for oversize blocks."""
+        pool = self.pools[small]
+        i = bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block = self.blocks[pool[i][1]]
+        limit = self.cfg.max_split_size
+        if limit is not None and not self.cfg.expandable_segments:
+            if size < limit <= block.size:
+                return None
+            if size >= limit and block.size >= size + K_LARGE_BUFFER:
+                return None
+        self._pool_remove(block)
+        return block
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.small or self.cfg.expandable_segments:
+            return remaining >= K_MIN_BLOCK
+        limit = self.cfg.max_split_size
+        return (limit is None or size < limit) and remaining > K_SMALL_SIZE
+
+    def _take(self, block: _Block, size: int) -> _Block:
+        """alloc_found_block(): split off the remainder when should_split() says so."""
+        if self._should_split(block, size):
+            rest = _Block(block.addr + size, block.size - size, block.small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            if self.expandable.get(block.small) is block:
+                self.expandable[block.small] = rest
+            self._pool_insert(rest)
+        block.free = False
+        return block
+
+    # -- segments -------------------------------------------------------------------------
+    def _grow(self, nbytes: int) -> None:
+        cap = self.cfg.capacity
+        threshold = self.cfg.garbage_collection_threshold
+        if cap is not None and threshold > 0 and self.reserved + nbytes > threshold * cap:
+            self._release_cached()  # garbage_collect_cached_blocks()
+        if cap is not None and self.reserved + nbytes > cap:
+            self._release_cached()  # release_cached_blocks(), then the cudaMalloc is retried
+            if self.reserved + nbytes > cap:
+                self.ran_out = True
+        self.reserved += nbytes
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+
+    def _new_memory(self, size: int, small: bool) -> _Block:
+        if self.cfg.expandable_segments:
+            return self._expand(size, small)
+        seg = allocation_size(size)
+        self._grow(seg)
+        self.segments += 1
+        block = _Block(self.next_addr, seg, small)
+        self.next_addr += seg + K_LARGE_BUFFER  # segments are never adjacent
+        return block
+
+    def _expand(self, size: int, small: bool) -> _Block:
+        """Map pages at the end of the pool's one segment until the free tail holds `size`."""
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        tail = self.expandable.get(small)
+        have = tail.size if (tail is not None and tail.free) else 0
+        add = -(-(size - have) // page) * page
+        self._grow(add)
+        if tail is not None and tail.free:
+            self._pool_remove(tail)
+            tail.size += add
+            return tail
+        block = _Block(self.next_addr, add, small)
+        if tail is not None:
+            block.addr = tail.addr + tail.size
+            tail.next, block.prev = block, tail
+        else:
+            self.segments += 1
+        self.next_addr = max(self.next_addr, block.addr + add) + (1 << 40)
+        self.expandable[small] = block
+        return block
+
+    def _release_cached(self) -> None:
+        """release_cached_blocks(): return every whole free segment (or free expandable tail)."""
+        for small in (True, False):
+            for size, addr in list(self.pools[small]):
+                block = self.blocks[addr]
+                if block.prev is None and block.next is None:
+                    self._pool_remove(block)
+                    self.reserved -= block.size
+                    self.segments -= 1
+                    if self.expandable.get(small) is block:
+                        del self.expandable[small]
+                elif self.cfg.expandable_segments and self.expandable.get(small) is block:
+                    page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+                    unmap = block.size // page * page
+                    if unmap:
+                        self._pool_remove(block)
+                        block.size -= unmap
+                        self.reserved -= unmap
+                        if block.size:
+                            self._pool_insert(block)
+                        else:
+                            block.prev.next = None
+                            self.expandable[small] = block.prev
+
+
+def replay(events, config: AllocatorConfig = AllocatorConfig()) -> ReplayStats:
+    """Run `events` -- (key, size) to allocate, (key, None) to free -- through the allocator."""
+    alloc = CachingAllocator(config)
+    for key, size in events:
+        if size is None:
+            alloc.free(key)
+        else:
+            alloc.malloc(key, size)
+    return alloc.stats()

@@ -1,0 +1,114 @@
+"""The caching-allocator model against traces worked by hand from c10/cuda/CUDACachingAllocator.cpp."""
+from memkit.estimate.allocator import AllocatorConfig, CachingAllocator, allocation_size, replay, round_size
+from memkit.units import MIB
+
+
+def test_rounding_and_segment_sizes():
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024
+    assert allocation_size(1 * MIB) == 2 * MIB          # small pool: 2 MiB segments
+    assert allocation_size(1 * MIB + 512) == 20 * MIB   # 1-10 MiB: a 20 MiB segment
+    assert allocation_size(10 * MIB) == 10 * MIB        # >= 10 MiB: rounded to 2 MiB
+    assert allocation_size(11 * MIB) == 12 * MIB
+
+
+def test_small_requests_share_one_2mib_segment():
+    # 4 x 100 KB: each rounded to 100352 B (196 x 512), all packed into one 2 MiB block
+    stats = replay([(i, 100_000) for i in range(4)])
+    assert stats.allocated_peak_bytes == 4 * 100_352
+    assert stats.reserved_peak_bytes == 2 * MIB and stats.num_segments == 1
+    assert stats.requested_peak_bytes == 400_000
+
+
+def test_medium_request_splits_a_20mib_segment_and_reuses_it():
+    # 3 MiB takes a 20 MiB segment, the 17 MiB remainder (> 1 MiB) is split off and cached;
+    # a second 5 MiB request is served from it: still one segment.
+    stats = replay([("a", 3 * MIB), ("b", 5 * MIB)])
+    assert stats.reserved_peak_bytes == 20 * MIB and stats.num_segments == 1
+    assert stats.allocated_peak_bytes == 8 * MIB
+
+
+def test_large_remainder_below_1mib_is_not_split():
+    # a 12 MiB segment freed, then 11.5 MiB requested: remainder 0.5 MiB <= 1 MiB, so the
+    # whole 12 MiB block is handed out and counted as allocated (should_split, large pool).
+    alloc = CachingAllocator()
+    alloc.malloc("a", 12 * MIB)
+    alloc.free("a")
+    alloc.malloc("b", 11 * MIB + MIB // 2)
+    assert alloc.allocated == 12 * MIB and alloc.reserved == 12 * MIB
+
+
+def test_best_fit_and_fragmentation():
+    # two 40 MiB segments; free the first, ask 50 MiB: no cached block fits -> new segment.
+    alloc = CachingAllocator()
+    alloc.malloc("a", 40 * MIB)
+    alloc.malloc("b", 40 * MIB)
+    alloc.free("a")
+    alloc.malloc("c", 50 * MIB)
+    assert alloc.reserved == 130 * MIB and alloc.allocated == 90 * MIB
+    # best fit: with free blocks of 40 and 30 MiB, a 30 MiB request takes the 30 MiB one
+    alloc2 = CachingAllocator()
+    for k, s in (("x", 40), ("y", 30), ("z", 8)):
+        alloc2.malloc(k, s * MIB)
+    alloc2.free("x")
+    alloc2.free("y")
+    alloc2.malloc("w", 30 * MIB)
+    assert alloc2.reserved == 40 * MIB + 30 * MIB + 20 * MIB
+    assert sorted(s for s, _ in alloc2.pools[False]) == [12 * MIB, 40 * MIB]  # 20-8 MiB and 40 MiB left
+
+
+def test_freed_neighbours_merge():
+    # 60 MiB segment split into 20 + 20 + 20; freeing all three merges them back to one block
+    alloc = CachingAllocator()
+    alloc.malloc("seg", 60 * MIB)
+    alloc.free("seg")
+    for k in "abc":
+        alloc.malloc(k, 20 * MIB)
+    for k in "acb":
+        alloc.free(k)
+    assert alloc.pools[False] == [(60 * MIB, 0)]
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    cfg = AllocatorConfig(max_split_size=64 * MIB)
+    alloc = CachingAllocator(cfg)
+    alloc.malloc("big", 100 * MIB)
+    alloc.free("big")
+    alloc.malloc("small", 30 * MIB)   # below max_split: may not take an oversize block
+    assert alloc.reserved == 130 * MIB
+    alloc.malloc("near", 90 * MIB)    # oversize and within 20 MiB of the cached 100 MiB: reuse, unsplit
+    assert alloc.reserved == 130 * MIB and alloc.allocated == 130 * MIB
+
+
+def test_expandable_segments_grow_in_pages_and_do_not_fragment():
+    # the trace that fragments with plain segments (test_best_fit_and_fragmentation) fits in one
+    # growing segment: 40 + 40 (4 pages of 20 MiB); free a, ask 50: the tail grows by 60 MiB
+    # to 140 MiB and... the freed 40 MiB at the front stays cached: expandable avoids slivers,
+    # not holes. A request that fits the hole takes it.
+    cfg = AllocatorConfig(expandable_segments=True)
+    alloc = CachingAllocator(cfg)
+    alloc.malloc("a", 40 * MIB)
+    alloc.malloc("b", 40 * MIB)
+    assert alloc.reserved == 80 * MIB and alloc.segments == 1
+    alloc.free("a")
+    alloc.malloc("c", 30 * MIB)       # fits the freed 40 MiB at the front, split at 512 B granularity
+    assert alloc.reserved == 80 * MIB and alloc.allocated == 70 * MIB
+    alloc.malloc("d", 3 * MIB)        # a 1-10 MiB request: from the 10 MiB left in the hole
+    assert alloc.reserved == 80 * MIB
+    alloc.malloc("e", 25 * MIB)       # no hole fits: map 2 pages (40 MiB) at the end
+    assert alloc.reserved == 120 * MIB and alloc.segments == 1
+
+
+def test_capacity_releases_cache_before_running_out():
+    cfg = AllocatorConfig(capacity=100 * MIB)
+    alloc = CachingAllocator(cfg)
+    alloc.malloc("a", 60 * MIB)
+    alloc.free("a")                    # cached, whole segment
+    alloc.malloc("b", 70 * MIB)        # 60 cached + 70 > 100: release the cache, then cudaMalloc
+    assert alloc.reserved == 70 * MIB and not alloc.ran_out
+    alloc.malloc("c", 40 * MIB)
+    assert alloc.ran_out
+
+
+def test_cpu_allocator_is_exact():
+    stats = replay([("a", 1000), ("b", 3 * MIB), ("a", None), ("c", 7)], AllocatorConfig(caching=False))
+    assert stats.allocated_peak_bytes == stats.reserved_peak_bytes == 1000 + 3 * MIB
