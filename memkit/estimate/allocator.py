@@ -98,10 +98,12 @@ class CachingAllocator:
 
     def __init__(self, config: AllocatorConfig = AllocatorConfig()):
         self.cfg = config
-        self.pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr), sorted
+        # (stream, small) -> free blocks as sorted (size, addr): blocks are reused only on the
+        # stream that allocated them ("Allocations are associated with a stream", file header).
+        self.pools: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self.blocks: dict[int, _Block] = {}  # addr -> free block in a pool
         self.live: dict[object, tuple[_Block | None, int]] = {}
-        self.expandable: dict[bool, _Block] = {}  # pool -> last block of its expandable segment
+        self.expandable: dict[tuple[int, bool], _Block] = {}  # pool -> last block of its expandable segment
         self.next_addr = 0
         self.allocated = self.reserved = self.requested = 0
         self.allocated_peak = self.reserved_peak = self.requested_peak = 0
@@ -109,7 +111,7 @@ class CachingAllocator:
         self.ran_out = False
 
     # -- public -------------------------------------------------------------------------
-    def malloc(self, key: object, size: int) -> None:
+    def malloc(self, key: object, size: int, stream: int = 0) -> None:
         if key in self.live:
             raise ValueError(f"allocation key {key!r} is already live")
         self.requested += size
@@ -120,7 +122,7 @@ class CachingAllocator:
             self.allocated_peak = self.reserved_peak = self.requested_peak
             return
         rounded = round_size(size)
-        small = rounded <= K_SMALL_SIZE
+        small = (stream, rounded <= K_SMALL_SIZE)
         block = self._find_free(rounded, small)
         if block is None:
             block = self._new_memory(rounded, small)
@@ -160,7 +162,7 @@ class CachingAllocator:
 
     # -- pools ----------------------------------------------------------------------------
     def _pool_insert(self, block: _Block) -> None:
-        insort(self.pools[block.small], (block.size, block.addr))
+        insort(self.pools.setdefault(block.small, []), (block.size, block.addr))
         self.blocks[block.addr] = block
 
     def _pool_remove(self, block: _Block) -> None:
@@ -171,7 +173,7 @@ class CachingAllocator:
 
     def _find_free(self, size: int, small: bool) -> _Block | None:
         """get_free_block(): best fit, with the max_split_size rules for oversize blocks."""
-        pool = self.pools[small]
+        pool = self.pools.get(small, [])
         i = bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
@@ -187,7 +189,7 @@ class CachingAllocator:
 
     def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
-        if block.small or self.cfg.expandable_segments:
+        if block.small[1] or self.cfg.expandable_segments:
             return remaining >= K_MIN_BLOCK
         limit = self.cfg.max_split_size
         return (limit is None or size < limit) and remaining > K_SMALL_SIZE
@@ -232,7 +234,7 @@ class CachingAllocator:
 
     def _expand(self, size: int, small: bool) -> _Block:
         """Map pages at the end of the pool's one segment until the free tail holds `size`."""
-        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if small[1] else K_LARGE_BUFFER
         tail = self.expandable.get(small)
         have = tail.size if (tail is not None and tail.free) else 0
         add = -(-(size - have) // page) * page
@@ -253,7 +255,7 @@ class CachingAllocator:
 
     def _release_cached(self) -> None:
         """release_cached_blocks(): return every whole free segment (or free expandable tail)."""
-        for small in (True, False):
+        for small in list(self.pools):
             for size, addr in list(self.pools[small]):
                 block = self.blocks[addr]
                 if block.prev is None and block.next is None:
@@ -263,7 +265,7 @@ class CachingAllocator:
                     if self.expandable.get(small) is block:
                         del self.expandable[small]
                 elif self.cfg.expandable_segments and self.expandable.get(small) is block:
-                    page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+                    page = K_SMALL_BUFFER if small[1] else K_LARGE_BUFFER
                     unmap = block.size // page * page
                     if unmap:
                         self._pool_remove(block)
@@ -277,11 +279,11 @@ class CachingAllocator:
 
 
 def replay(events, config: AllocatorConfig = AllocatorConfig()) -> ReplayStats:
-    """Run `events` -- (key, size) to allocate, (key, None) to free -- through the allocator."""
+    """Run `events` -- (key, size[, stream]) to allocate, (key, None) to free -- through the allocator."""
     alloc = CachingAllocator(config)
-    for key, size in events:
+    for key, size, *stream in events:
         if size is None:
             alloc.free(key)
         else:
-            alloc.malloc(key, size)
+            alloc.malloc(key, size, *stream)
     return alloc.stats()

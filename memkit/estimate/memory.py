@@ -9,10 +9,12 @@ Phases (steady state, i.e. the second optimizer step, once optimizer states exis
 - optimizer_step: resident states + gradients + the step's temporaries;
 - checkpoint_save: resident states + one gathered block (ZeRO-3 16-bit consolidation).
 
-allocated = what torch.cuda.max_memory_allocated reports. reserved adds the caching allocator's
-rounding and fragmentation (c10/cuda/CUDACachingAllocator.cpp: 2 MiB blocks for requests under
-10 MiB, 20 MiB segments; the slack factor is fitted on the published runs in
-../shared/calibration, see benchmarks/memory_accuracy.py). nvidia-smi adds the CUDA context.
+The moments of two steps (the second reuses the first's cached blocks) are replayed as tensor
+allocations and frees through a model of PyTorch's caching allocator (allocator.py, replay.py):
+allocated = the replay's max_memory_allocated (the phase walk's peak plus 512-byte rounding and
+unsplit remainders), reserved = its max_memory_reserved. On CPU the allocator does not cache, so
+both equal the phase walk's peak. nvidia-smi adds what lives outside the allocator (cuda_extras.py:
+CUDA context, NCCL communicator buffers).
 """
 from __future__ import annotations
 
@@ -20,19 +22,16 @@ from dataclasses import replace
 
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_activations, numerics
+from memkit.estimate.allocator import AllocatorConfig, replay
+from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
+from memkit.estimate.replay import moment_events, scaled
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
-from memkit.units import GIB, MIB
+from memkit.units import GIB
 
-# Caching-allocator slack over the allocated peak: reserved ~= allocated * (1 + f) + rounding.
-# Fitted on the calibration set's reserved and nvidia-smi rows (torchtitan max_reserved, HF docs
-# and PEFT nvidia-smi): the median |error| of those rows is lowest for f in 0.15-0.20 (HF docs
-# 24% -> 15%, PEFT 14% -> 5%, torchtitan 50% -> 42.5% going from f=0 to 0.15). The allocated
-# rows do not depend on it.
-ALLOCATOR_SLACK = 0.15
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
 # the tokenizer and data loader): ~3 GiB RSS per CUDA process.
 HOST_BYTES_PER_PROCESS = 3 * GIB
@@ -272,15 +271,43 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     phases["checkpoint_save"] = {**base, "zero3_gathered_params":
                                  rp.largest_module * (4 if plan.precision == "fp32" else 2)
                                  if plan.zero_stage == 3 else 0}
+    cuda = device == "cuda"
+    workspace = cublas_workspace_bytes(hardware.gpu) if cuda else 0
+    if workspace:  # allocated through the caching allocator at the first matmul, kept for the run
+        for parts in [*phases.values(), *moments]:
+            if parts:
+                parts["cublas_workspace"] = workspace
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(PHASES, key=lambda p: totals[p])
-    allocated = totals[peak_phase]
     components = {k: int(v) for k, v in phases[peak_phase].items() if v}
 
-    cuda = device == "cuda"
-    # + 64 MiB: small-block pools and segment rounding of the caching allocator.
-    reserved = int(allocated * (1 + ALLOCATOR_SLACK)) + 64 * MIB if cuda else allocated
-    context = hardware.gpu.cuda_context_bytes if cuda else 0
+    # -- the steady-state step replayed through the allocator ------------------------------------
+    after_step = {**phases["optimizer_step"], "gradients": fwd_grads, "optimizer_step_temporaries": 0}
+    fwd_walk = [{**phases["forward"], "logits_and_loss": 0,
+                 "activations": k * kept_per_layer * in_flight + embed_saved,
+                 "autocast_weight_copies": amp_cache * k // max(1, n_layers)}
+                for k in range(n_layers + 1)]
+    step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
+    # torch.optim creates its states at the first step() (Optimizer._init_group), into whatever
+    # the first forward/backward left cached; DeepSpeed allocates its partitions at init.
+    first_step = step
+    if plan.engine == "torch":
+        first_step = [{**m, "optimizer_states": 0} for m in step[:-2]] + step[-2:]
+    timeline = [phases["init"], *first_step, *step, *step, phases["checkpoint_save"]]
+    outside = outside_allocator_bytes(plan, hardware) if cuda else 0
+    # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
+    # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
+    # on a reduction stream (deepspeed/runtime/zero/stage_1_and_2.py, reduction_stream).
+    streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
+    stats = replay(moment_events(timeline, _chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last),
+                                 streams),
+                   AllocatorConfig(caching=cuda, capacity=hardware.gpu.memory_bytes - outside))
+    allocated = max(stats.allocated_peak_bytes, totals[peak_phase])
+    reserved = max(stats.reserved_peak_bytes, allocated)
+    if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
+        components["allocator_rounding"] = allocated - totals[peak_phase]
+    context = outside
 
     host = _host_bytes(model, plan, hardware, st)
     notes = []
@@ -298,6 +325,42 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
         host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
         notes=tuple(notes))
+
+
+def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckpt: bool, n_layers: int,
+            first: bool, last: bool) -> dict[str, tuple[int, ...]]:
+    """The tensor sizes each component is made of (replay.py): relative sizes, scaled to the
+    component's bytes per pass over one copy of the stage's parameters or one block."""
+    tp = plan.tp
+    layer = [lin.count * lin.in_features * lin.out_features // (tp if lin.tp_style != "replicate" else 1)
+             for lin in model.layer_linears]
+    layer.append(max(0, rp.num_params // max(1, n_layers) - sum(layer)) if not first and not last else 0)
+    vocab = [model.vocab_size * model.hidden_size] if (first or last) else []
+    params = vocab + layer * max(1, n_layers)
+    tokens = plan.micro_batch_size * plan.seq_len
+
+    def per_param(itemsize: float) -> tuple[int, ...]:
+        return tuple(max(1, int(p * itemsize)) for p in params)
+
+    out: dict[str, tuple[int, ...]] = {}
+    bpp = 2 if plan.precision != "fp32" else 4
+    flat = plan.engine == "deepspeed" and plan.zero_stage >= 1  # one flat partition per group
+    out["weights"] = per_param(bpp if not (plan.precision in ("fp16", "bf16") and plan.engine == "torch"
+                                           and plan.zero_stage < 3) else 4)
+    if not flat:
+        out["master_weights"] = per_param(4)
+        out["optimizer_states"] = per_param(4)
+        out["optimizer_step_temporaries"] = per_param(4)
+        out["gradients"] = per_param(4 if plan.precision != "bf16-pure" else 2)
+    out["zero3_gathered_params"] = tuple(max(1, p * bpp) for p in layer if p)
+    out["autocast_weight_copies"] = tuple(max(1, p * 2) for p in layer if p)
+    if ckpt:
+        out["activations"] = (blk.input_bytes,)
+    else:
+        out["activations"] = tuple(v for v in blk.by_label.values() if v) or (blk.saved_bytes,)
+    out["logits_and_loss"] = (max(1, tokens * model.vocab_size * 4 // max(1, tp if tp > 1 else 1)),)
+    out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)
+    return out
 
 
 def _landing(rp: RankParams, st, plan: TrainingPlan) -> int:

@@ -53,7 +53,7 @@ def test_best_fit_and_fragmentation():
     alloc2.free("y")
     alloc2.malloc("w", 30 * MIB)
     assert alloc2.reserved == 40 * MIB + 30 * MIB + 20 * MIB
-    assert sorted(s for s, _ in alloc2.pools[False]) == [12 * MIB, 40 * MIB]  # 20-8 MiB and 40 MiB left
+    assert sorted(s for s, _ in alloc2.pools[(0, False)]) == [12 * MIB, 40 * MIB]  # 20-8 MiB and 40 MiB left
 
 
 def test_freed_neighbours_merge():
@@ -65,7 +65,7 @@ def test_freed_neighbours_merge():
         alloc.malloc(k, 20 * MIB)
     for k in "acb":
         alloc.free(k)
-    assert alloc.pools[False] == [(60 * MIB, 0)]
+    assert alloc.pools[(0, False)] == [(60 * MIB, 0)]
 
 
 def test_max_split_size_keeps_oversize_blocks_whole():
@@ -112,3 +112,13 @@ def test_capacity_releases_cache_before_running_out():
 def test_cpu_allocator_is_exact():
     stats = replay([("a", 1000), ("b", 3 * MIB), ("a", None), ("c", 7)], AllocatorConfig(caching=False))
     assert stats.allocated_peak_bytes == stats.reserved_peak_bytes == 1000 + 3 * MIB
+
+
+def test_blocks_are_reused_only_on_their_stream():
+    alloc = CachingAllocator()
+    alloc.malloc("a", 40 * MIB, 0)
+    alloc.free("a")
+    alloc.malloc("b", 40 * MIB, 1)     # a side stream (e.g. an all-gather stream) cannot take it
+    assert alloc.reserved == 80 * MIB
+    alloc.malloc("c", 40 * MIB, 0)     # the compute stream can
+    assert alloc.reserved == 80 * MIB
