@@ -33,6 +33,7 @@ from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import find_catalog_model, load_model_spec, spec_from_config
 from memkit.spec.model import ModelSpec
+from memkit.spec.stack import Stack
 from memkit.units import GIB
 
 METRIC_FIELDS = {"allocated": "allocated_peak_bytes", "reserved": "reserved_peak_bytes",
@@ -100,6 +101,10 @@ class Case:
     max_fit_batch: int = 0
     alternatives: tuple[tuple[str, TrainingPlan], ...] = ()
     """Other plans worth pricing next to the main one (e.g. the two ends of a selective-AC bracket)."""
+    stack: Stack | None = None
+    """The source's software versions, as far as it states them (_SOURCE_STACKS)."""
+    extra_bytes: int = 0
+    """Bytes a mechanism outside memkit's plans adds to the peak (torchtitan selective AC)."""
 
     @property
     def is_exact(self) -> bool:
@@ -160,6 +165,8 @@ def map_record(record: dict, *, configs_dir: Path) -> Case:
                     summary=f"1 layer fwd bs{plan.micro_batch_size}x{plan.seq_len} bf16 sdpa", **base)
 
     plan, hardware, alternatives = _plan(record, model, approx)
+    stack = _stack(record, approx)
+    extra = _selective_ac_bytes(model, plan) if "selective" in record["activation_checkpointing"].lower() else 0
     if scope == "oom":
         kind, metric = "oom", "nvidia_smi"
         measured = hardware.gpu.memory_bytes
@@ -171,7 +178,47 @@ def map_record(record: dict, *, configs_dir: Path) -> Case:
     base["measured_bytes"] = measured
     return Case(kind=kind, metric=metric, model=model, plan=plan, hardware=hardware, approx=tuple(approx),
                 max_fit_batch=meas.get("max_batch_fits", 0), alternatives=tuple(alternatives),
-                summary=_summary(plan), **base)
+                stack=stack, extra_bytes=extra, summary=_summary(plan), **base)
+
+
+# Versions per source, from SOURCES.md next to the data: S1 "transformers about 4.16" (Jan 2022;
+# torch of that time 1.10), S3 "PyTorch 2.1.0+cu121", S4 torch nightly 1963fc8 (Dec 2024, 2.6 dev),
+# S7 README table (early 2023: transformers 4.26, torch 1.13) and the Llama-2-70B docs (2024:
+# transformers 4.38), S10 (2021: transformers 4.10, torch 1.9). Unstated ones are approximations.
+_SOURCE_STACKS = {
+    "hf_transformers_perf_train_gpu_one": (Stack(transformers="4.16", torch="1.10"), "torch 1.10"),
+    "litgpt_resource_tables": (Stack(torch="2.1.0"), ""),
+    "torchtitan_benchmarks": (Stack(torch="2.6"), ""),
+    "hf_peft": (Stack(transformers="4.26", torch="1.13"), "transformers 4.26, torch 1.13"),
+    "hf_blog_accelerate_deepspeed": (Stack(transformers="4.10", torch="1.9"), "transformers 4.10, torch 1.9"),
+}
+_PEFT_DOC_STACK = Stack(transformers="4.38", torch="2.2")
+
+
+def _stack(record: dict, approx: list[str]) -> Stack | None:
+    if record["id"].startswith("peftdoc-"):
+        approx.append("stack unstated; transformers 4.38, torch 2.2 (early 2024) assumed")
+        return _PEFT_DOC_STACK
+    stack, guessed = _SOURCE_STACKS.get(record["source_id"], (None, ""))
+    if guessed:
+        approx.append(f"stack partly unstated; {guessed} assumed from the source's date")
+    return stack
+
+
+def _selective_ac_bytes(model: ModelSpec, plan: TrainingPlan) -> int:
+    """torchtitan's per-op selective AC keeps, per block, the outputs of the ops in its _save_list
+    (aten.mm except every second one, the SDPA kernels; torchtitan/models/llama3/infra/
+    parallelize.py, _custom_policy) on top of the block input full AC keeps. Its Llama block runs
+    its mms as wq, wk, wv, wo, w1, w3, w2, so wq, wv, w1 (gate) and w2 (down) are kept, plus the
+    attention output and its fp32 logsumexp."""
+    by_role = {lin.role: lin for lin in model.layer_linears}
+    kept = [by_role[r].out_features for r in ("q", "v", "gate", "down") if r in by_role]
+    tokens = plan.micro_batch_size * plan.seq_len
+    heads = model.num_attention_heads
+    per_layer = tokens * (sum(kept) + model.num_attention_heads * model.head_dim) * 2 + tokens * heads * 4
+    per_layer //= max(1, plan.tp)
+    layers = -(-model.total_layers // plan.pp)
+    return per_layer * layers
 
 
 def _skip_reason(record: dict) -> str:
@@ -285,7 +332,8 @@ def _checkpointing(record: dict, approx: list[str]) -> tuple[str, bool]:
     if text.startswith("full"):
         return "full", False
     if text.startswith("selective"):
-        approx.append("selective (per-op) AC priced as full AC (lower bound); 'none' shown as upper bound")
+        approx.append("selective (per-op) AC: full AC plus the outputs torchtitan's policy keeps, added to the "
+                      "peak (not replayed); 'none' shown as upper bound")
         return "full", True
     if text.startswith("unspecified"):
         approx.append("activation checkpointing unstated; none assumed")
@@ -437,14 +485,15 @@ def score(case: Case) -> Outcome:
     try:
         if case.kind == "activation_probe":
             return _score_probe(case)
-        est = estimate_memory(case.model, case.plan, case.hardware)
+        est = estimate_memory(case.model, case.plan, case.hardware, stack=case.stack)
     except MemkitError as exc:
         return Outcome(case=case, error=str(exc))
-    predicted = getattr(est, METRIC_FIELDS[case.metric])
+    predicted = getattr(est, METRIC_FIELDS[case.metric]) + case.extra_bytes
     alts = {}
     for label, plan in case.alternatives:
         try:
-            alts[label] = getattr(estimate_memory(case.model, plan, case.hardware), METRIC_FIELDS[case.metric])
+            alts[label] = getattr(estimate_memory(case.model, plan, case.hardware, stack=case.stack),
+                                  METRIC_FIELDS[case.metric])
         except MemkitError:
             alts[label] = -1
     if case.kind == "regression":
@@ -478,7 +527,7 @@ def max_fitting_batch(case: Case, *, limit: int) -> int | None:
     capacity = case.hardware.gpu.memory_bytes
 
     def fits(b: int) -> bool:
-        est = estimate_memory(case.model, replace(case.plan, micro_batch_size=b), case.hardware)
+        est = estimate_memory(case.model, replace(case.plan, micro_batch_size=b), case.hardware, stack=case.stack)
         return est.nvidia_smi_peak_bytes <= capacity
 
     if not fits(1):

@@ -9,7 +9,7 @@ Inside the caching allocator (so in max_memory_allocated / reserved):
 
 Outside it (seen by nvidia-smi only):
 - the CUDA context: the catalog's cuda_context_mib (driver, runtime and the kernels loaded
-  lazily -- torch sets CUDA_MODULE_LOADING=LAZY in torch/cuda/__init__.py _lazy_init since 1.13;
+  lazily -- torch sets CUDA_MODULE_LOADING=LAZY in aten/src/ATen/cuda/detail/CUDAHooks.cpp since 1.13;
   an older stack loads every kernel module at init, see spec/stack.py);
 - NCCL communicator buffers: per channel and ring peer, one buffer per protocol --
   SIMPLE NCCL_BUFFSIZE = 4 MiB, LL 512 KiB, LL128 4,915,200 B (NVIDIA/nccl src/init.cc,

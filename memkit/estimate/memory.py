@@ -30,6 +30,7 @@ from memkit.estimate.states import RankParams, model_states
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
+from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES, Stack, behaviour
 from memkit.units import GIB
 
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
@@ -71,10 +72,11 @@ def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> N
 
 
 def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                    device: str = "cuda") -> MemoryEstimate:
+                    device: str = "cuda", stack: Stack | None = None) -> MemoryEstimate:
     """Peak memory per GPU for `plan` (the worst pipeline stage). `device='cpu'` prices the CPU
-    test runs: no foreach optimizer temporaries, no CUDA context or allocator slack."""
-    stages = estimate_stages(model, plan, hardware, device=device)
+    test runs: no foreach optimizer temporaries, no CUDA context, no caching allocator.
+    `stack`: the versions the run uses (spec/stack.py); None = current behaviour."""
+    stages = estimate_stages(model, plan, hardware, device=device, stack=stack)
     worst = max(stages, key=lambda s: s.allocated_peak_bytes)
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
@@ -83,7 +85,7 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
 
 
 def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                    device: str = "cuda") -> list[MemoryEstimate]:
+                    device: str = "cuda", stack: Stack | None = None) -> list[MemoryEstimate]:
     """One estimate per pipeline stage (a single one without pipeline parallelism). Stages that
     differ only in index share a computation: what matters is (blocks, in-flight micro-batches,
     first, last)."""
@@ -96,7 +98,7 @@ def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     for k in range(plan.pp):
         key = (counts[k], _in_flight(plan, k), k == 0, k == plan.pp - 1)
         if key not in cache:
-            cache[key] = _stage(model, plan, hardware, k, device)
+            cache[key] = _stage(model, plan, hardware, k, device, stack)
         out.append(cache[key])
     return out
 
@@ -179,8 +181,9 @@ def _small_params(model: ModelSpec) -> int:
     return max(0, model.layer_params - weights)
 
 
-def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str
-           ) -> MemoryEstimate:
+def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
+           stack: Stack | None = None) -> MemoryEstimate:
+    habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
     st = model_states(plan, rp, device=device)
     num = numerics(plan)
@@ -246,9 +249,12 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     phases: dict[str, dict[str, int]] = {}
     phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
                       "zero3_gathered_params": gather}
+    # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py).
+    shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
+                  if (habits.shifted_logits_copy and last and model.kind == "decoder") else 0)
     phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
                          "autocast_weight_copies": amp_cache,
-                         "logits_and_loss": head_saved + (head.forward_peak_bytes if last else 0),
+                         "logits_and_loss": head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
                          "zero3_gathered_params": gather}
     moments = []
     if last:  # the loss backward, with every block's activations still saved
@@ -294,7 +300,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if plan.engine == "torch":
         first_step = [{**m, "optimizer_states": 0} for m in step[:-2]] + step[-2:]
     timeline = [phases["init"], *first_step, *step, *step, phases["checkpoint_save"]]
-    outside = outside_allocator_bytes(plan, hardware) if cuda else 0
+    eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
+    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
@@ -310,7 +317,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     context = outside
 
     host = _host_bytes(model, plan, hardware, st)
-    notes = []
+    notes = list(habits.notes)
     if plan.zero_stage == 3 and plan.engine == "deepspeed":
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
     if num.autocast:
