@@ -157,15 +157,18 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
 
     for title, exact in (("all mapped rows", False), ("exact-mapped rows only (no ~)", True)):
         out.append("")
-        out.append(f"Summary, {title}: regression |error| %, bound checks")
-        out.append(f"  {'source':<40} {'n':>3} {'median':>7} {'mean':>7} {'signed':>7}   {'probe n/med':>11}   "
-                   f"{'bounds':>9} {'skip':>5} {'err':>4}")
+        out.append(f"Summary, {title}: regression |error| %, signed mean %, >hdrm = % of rows measured above "
+                   "predicted/0.9 (a plan sized to the 10% headroom would OOM), upper = % of rows at or under "
+                   "the p90 upper bound (margin computed without the row's source), bound checks")
+        out.append(f"  {'source':<40} {'n':>3} {'median':>7} {'mean':>7} {'signed':>7} {'>hdrm':>6} {'upper':>6}"
+                   f"   {'probe n/med':>11}   {'bounds':>9} {'skip':>5} {'err':>4}")
         stats = summarize(outcomes, exact_only=exact)
         for name in sorted(stats, key=lambda k: (k == "ALL", k)):
             s = stats[name]
             probe = f"{s['n_probe']}/{_fmt(s['probe_median_abs_pct'])}" if s["n_probe"] else "-"
             out.append(f"  {name:<40} {s['n_regression']:>3} {_fmt(s['median_abs_pct']):>7} "
-                       f"{_fmt(s['mean_abs_pct']):>7} {_fmt(s['mean_signed_pct']):>7}   {probe:>11}   "
+                       f"{_fmt(s['mean_abs_pct']):>7} {_fmt(s['mean_signed_pct']):>7} "
+                       f"{_fmt(s['beyond_headroom_pct']):>6} {_fmt(s['upper_coverage_pct']):>6}   {probe:>11}   "
                        f"{s['bounds_pass']:>3}P/{s['bounds_fail']:<3}F {s['skipped']:>5} {s['errors']:>4}")
 
     if verbose:

@@ -557,7 +557,13 @@ def summarize(outcomes: list[Outcome], *, exact_only: bool = False) -> dict[str,
         probe = sorted(abs(o.error_pct) for o in rows if o.error_pct is not None and o.case.kind == "activation_probe")
         signed = [o.error_pct for o in rows if o.error_pct is not None and o.case.kind == "regression"]
         bounds = [o for o in rows if o.passed is not None]
+        reg = [o for o in rows if o.error_pct is not None and o.case.kind == "regression"]
+        # A plan sized to the 10% headroom holds the measured run when measured <= predicted / 0.9.
+        beyond = sum(o.case.measured_bytes > o.predicted_bytes / (1 - HEADROOM) for o in reg)
+        covered = sum(o.case.measured_bytes <= upper_bound(o) for o in reg)
         out[name] = {
+            "beyond_headroom_pct": 100 * beyond / len(reg) if reg else float("nan"),
+            "upper_coverage_pct": 100 * covered / len(reg) if reg else float("nan"),
             "n_regression": len(errs),
             "median_abs_pct": _median(errs),
             "mean_abs_pct": sum(errs) / len(errs) if errs else float("nan"),
@@ -570,6 +576,20 @@ def summarize(outcomes: list[Outcome], *, exact_only: bool = False) -> dict[str,
             "errors": sum(bool(o.error) for o in rows),
         }
     return out
+
+
+HEADROOM = 0.10
+"""memkit suggest's default headroom (planner/space.py DEFAULT_HEADROOM)."""
+
+
+def upper_bound(o: Outcome) -> int:
+    """The row's upper bound with the margin computed WITHOUT its own source (leave one source
+    out, estimate/residuals_table.py), so coverage is judged as on an unseen source."""
+    from memkit.estimate.bounds import margin
+    from memkit.estimate.residuals_table import LEAVE_ONE_SOURCE_OUT, RESIDUAL_P90
+
+    table = LEAVE_ONE_SOURCE_OUT.get(o.case.source_id, RESIDUAL_P90)
+    return int(o.predicted_bytes * (1 + margin(o.case.plan, table)))
 
 
 def _median(values: list[float]) -> float:

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_plan_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar chart of the breakdown")
+    p.add_argument("--stack", default="", metavar="PKG=VER,...",
+                   help="plan for another software stack, e.g. transformers=4.40,torch=2.3 "
+                        "(default: the versions installed here)")
 
 
 def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
@@ -41,11 +44,13 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
 def run(args: argparse.Namespace) -> int:
     from memkit.estimate.memory import estimate_memory
     from memkit.spec.hf import load_model_spec
+    from memkit.spec.stack import parse_stack
 
     model = load_model_spec(args.model)
     hardware = hardware_from_args(args)
     plan = plan_from_args(args, model, hardware)
-    est = estimate_memory(model, plan, hardware)
+    stack = parse_stack(args.stack)
+    est = estimate_memory(model, plan, hardware, stack=stack)
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         out["model"] = model.name
         out["gpu"] = hardware.gpu.name
         out["plan"] = plan.to_dict()
+        out["stack"] = stack.to_dict()
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -66,4 +72,9 @@ def run(args: argparse.Namespace) -> int:
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
     print(render_breakdown(est, title=title))
+    gib = 1024 ** 3
+    print(f"upper bound (+{est.upper_margin:.0%}, {est.upper_basis}): allocated "
+          f"{est.allocated_peak_upper_bytes / gib:.2f}, reserved {est.reserved_peak_upper_bytes / gib:.2f}, "
+          f"nvidia-smi {est.nvidia_smi_peak_upper_bytes / gib:.2f} GiB; predicted nvidia-smi "
+          f"{est.nvidia_smi_peak_bytes / gib:.2f} GiB")
     return 0

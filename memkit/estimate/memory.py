@@ -23,6 +23,7 @@ from dataclasses import replace
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
+from memkit.estimate.bounds import QUANTILE, margin, plan_kind
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events, scaled
 from memkit.estimate.result import MemoryEstimate
@@ -72,16 +73,38 @@ def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> N
 
 
 def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                    device: str = "cuda", stack: Stack | None = None) -> MemoryEstimate:
+                    device: str = "cuda", stack: Stack | None = None,
+                    margins: dict[str, float] | None = None) -> MemoryEstimate:
     """Peak memory per GPU for `plan` (the worst pipeline stage). `device='cpu'` prices the CPU
     test runs: no foreach optimizer temporaries, no CUDA context, no caching allocator.
-    `stack`: the versions the run uses (spec/stack.py); None = current behaviour."""
+    `stack`: the versions the run uses (spec/stack.py); None = current behaviour. `margins`: the
+    upper-bound margins per kind of plan (default: the published-runs table)."""
     stages = estimate_stages(model, plan, hardware, device=device, stack=stack)
     worst = max(stages, key=lambda s: s.allocated_peak_bytes)
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
         worst = replace(worst, notes=notes)
-    return worst
+    return with_upper_bounds(worst, plan, device=device, table=margins)
+
+
+def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = "cuda",
+                      table: dict[str, float] | None = None, basis: str = "") -> MemoryEstimate:
+    """`est` with its upper bounds: + the p90 margin for this kind of plan (estimate/bounds.py;
+    `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
+    not cache and memkit is exact to a few %: the bounds equal the prediction."""
+    m = margin(plan, table) if device == "cuda" else 0.0
+    if not basis:
+        from memkit.estimate.residuals_table import NUM_ROWS
+        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs "
+                 f"({plan_kind(plan)} plans)") if device == "cuda" else "CPU: exact replay"
+    notes = est.notes
+    if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
+        notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
+                         f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
+    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m)),
+                   reserved_peak_upper_bytes=int(est.reserved_peak_bytes * (1 + m)),
+                   nvidia_smi_peak_upper_bytes=int(est.nvidia_smi_peak_bytes * (1 + m)),
+                   upper_margin=round(m, 4), upper_basis=basis, notes=notes)
 
 
 def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,

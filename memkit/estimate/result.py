@@ -25,6 +25,14 @@ class MemoryEstimate:
     """Host RAM the run needs per node (offloaded states, pinned buffers, the processes themselves)."""
     nvme_bytes_per_node: int = 0
     notes: tuple[str, ...] = field(default=())
+    allocated_peak_upper_bytes: int = 0
+    """allocated_peak_bytes plus the p90 margin of memkit's under-prediction for this kind of plan
+    (estimate/bounds.py); reserved / nvidia-smi likewise."""
+    reserved_peak_upper_bytes: int = 0
+    nvidia_smi_peak_upper_bytes: int = 0
+    upper_margin: float = 0.0
+    """The relative margin the upper bounds add (a p90 quantile, see upper_basis)."""
+    upper_basis: str = ""
 
     @property
     def headroom_bytes(self) -> int:
@@ -45,4 +53,9 @@ class MemoryEstimate:
             "host_bytes_per_node": self.host_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
             "notes": list(self.notes),
+            "allocated_peak_upper_bytes": self.allocated_peak_upper_bytes,
+            "reserved_peak_upper_bytes": self.reserved_peak_upper_bytes,
+            "nvidia_smi_peak_upper_bytes": self.nvidia_smi_peak_upper_bytes,
+            "upper_margin": self.upper_margin,
+            "upper_basis": self.upper_basis,
         }
