@@ -1,0 +1,79 @@
+"""The user's stack: version parsing, and the two transformers causal-LM loss paths priced with the
+bytes each one allocates, measured on CPU (the pre-4.46 path reproduced here as its models wrote it)."""
+from __future__ import annotations
+
+import pytest
+
+from memkit.errors import MemkitError
+from memkit.spec.stack import Stack, behaviour, installed, parse_stack
+
+torch = pytest.importorskip("torch")
+
+
+def test_parse_and_installed():
+    here = installed()
+    assert here.torch and here.transformers  # both are installed in this environment
+    s = parse_stack("transformers=4.40, deepspeed=0.14")
+    assert (s.transformers, s.deepspeed, s.torch) == ("4.40", "0.14", here.torch)
+    assert s.key().startswith("torch=")
+    with pytest.raises(MemkitError, match="NAME=VERSION"):
+        parse_stack("transformers")
+    with pytest.raises(MemkitError, match="NAME=VERSION"):
+        parse_stack("jax=0.4")
+
+
+def test_behaviour_by_version():
+    assert behaviour(Stack(transformers="4.45.2")).shifted_logits_copy
+    assert not behaviour(Stack(transformers="4.46.0")).shifted_logits_copy
+    assert behaviour(Stack(torch="1.12.1")).eager_module_loading
+    assert not behaviour(Stack(torch="2.1.0+cu121")).eager_module_loading
+    unknown = behaviour(Stack(transformers="main"))
+    assert not unknown.shifted_logits_copy and any("not understood" in n for n in unknown.notes)
+
+
+def _loss_peak(path: str, b: int, s: int, vocab: int) -> int:
+    """Peak live bytes above the bf16 logits while the loss's forward runs (memkit's forward
+    phase; the backward's peak is priced by the head's backward term, the same for both paths)."""
+    import torch.nn.functional as F
+
+    from memkit.measure.live_tensors import LiveTensorTracker
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, s, vocab, generator=g).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    with LiveTensorTracker() as tracker:
+        base = tracker.live_bytes
+        if path == "new":  # transformers >= 4.46 (installed): model.loss_function
+            loss = ForCausalLMLoss(logits, labels, vocab_size=vocab)
+        else:  # transformers 4.40 LlamaForCausalLM.forward
+            logits32 = logits.float()
+            shift_logits = logits32[..., :-1, :].contiguous()
+            shift_labels = labels[..., 1:].contiguous()
+            loss = F.cross_entropy(shift_logits.view(-1, vocab), shift_labels.view(-1))
+            del logits32, shift_logits
+        peak = tracker.peak_bytes - base
+        loss.backward()
+        return peak
+
+
+def test_two_loss_paths_priced_as_measured():
+    from memkit.estimate.memory import estimate_memory
+    from memkit.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import spec_from_config
+
+    b, s, vocab = 2, 64, 4096
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": vocab,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    spec = spec_from_config(cfg, name="tiny")
+    plan = TrainingPlan(precision="bf16-pure", engine="torch", micro_batch_size=b, seq_len=s, attention="sdpa")
+    hw = Hardware(gpu=find_gpu("a100-80gb"))
+    new = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(transformers="4.46"))
+    old = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(transformers="4.40"))
+    priced = old.phases["forward"] - new.phases["forward"]
+    measured = _loss_peak("old", b, s, vocab) - _loss_peak("new", b, s, vocab)
+    assert priced == b * (s - 1) * vocab * 4  # the shifted fp32 copy
+    assert abs(priced - measured) <= 0.05 * measured, (priced, measured)
+    assert any("4.46" in n for n in old.notes)
