@@ -215,10 +215,11 @@ class CachingAllocator:
         threshold = self.cfg.garbage_collection_threshold
         if cap is not None and threshold > 0 and self.reserved + nbytes > threshold * cap:
             self._release_cached()  # garbage_collect_cached_blocks()
-        if cap is not None and self.reserved + nbytes > cap:
+        if cap is not None and not self.ran_out and self.reserved + nbytes > cap:
             self._release_cached()  # release_cached_blocks(), then the cudaMalloc is retried
-            if self.reserved + nbytes > cap:
-                self.ran_out = True
+            # Still over: CUDA OOM. The replay goes on (caching, no more releases) to report
+            # how much the sequence would have needed.
+            self.ran_out = self.reserved + nbytes > cap
         self.reserved += nbytes
         self.reserved_peak = max(self.reserved_peak, self.reserved)
 

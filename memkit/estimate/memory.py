@@ -37,6 +37,7 @@ from memkit.units import GIB
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
 # the tokenizer and data loader): ~3 GiB RSS per CUDA process.
 HOST_BYTES_PER_PROCESS = 3 * GIB
+DS_SUB_GROUP_SIZE = 1_000_000_000
 PHASES = ("init", "forward", "backward", "optimizer_step", "checkpoint_save")
 
 
@@ -74,12 +75,14 @@ def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> N
 
 def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                     device: str = "cuda", stack: Stack | None = None,
-                    margins: dict[str, float] | None = None) -> MemoryEstimate:
+                    margins: dict[str, float] | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
     """Peak memory per GPU for `plan` (the worst pipeline stage). `device='cpu'` prices the CPU
     test runs: no foreach optimizer temporaries, no CUDA context, no caching allocator.
     `stack`: the versions the run uses (spec/stack.py); None = current behaviour. `margins`: the
-    upper-bound margins per kind of plan (default: the published-runs table)."""
-    stages = estimate_stages(model, plan, hardware, device=device, stack=stack)
+    upper-bound margins per kind of plan (default: the published-runs table). `capacity_bytes`:
+    the device memory the allocator may use (default: all of it; the planner passes its budget,
+    so that "fits" means the caching allocator never runs out inside the budget)."""
+    stages = estimate_stages(model, plan, hardware, device=device, stack=stack, capacity_bytes=capacity_bytes)
     worst = max(stages, key=lambda s: s.allocated_peak_bytes)
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
@@ -108,7 +111,8 @@ def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = 
 
 
 def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                    device: str = "cuda", stack: Stack | None = None) -> list[MemoryEstimate]:
+                    device: str = "cuda", stack: Stack | None = None,
+                    capacity_bytes: int | None = None) -> list[MemoryEstimate]:
     """One estimate per pipeline stage (a single one without pipeline parallelism). Stages that
     differ only in index share a computation: what matters is (blocks, in-flight micro-batches,
     first, last)."""
@@ -121,7 +125,7 @@ def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     for k in range(plan.pp):
         key = (counts[k], _in_flight(plan, k), k == 0, k == plan.pp - 1)
         if key not in cache:
-            cache[key] = _stage(model, plan, hardware, k, device, stack)
+            cache[key] = _stage(model, plan, hardware, k, device, stack, capacity_bytes)
         out.append(cache[key])
     return out
 
@@ -205,7 +209,7 @@ def _small_params(model: ModelSpec) -> int:
 
 
 def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
-           stack: Stack | None = None) -> MemoryEstimate:
+           stack: Stack | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
     habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
     st = model_states(plan, rp, device=device)
@@ -322,7 +326,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     first_step = step
     if plan.engine == "torch":
         first_step = [{**m, "optimizer_states": 0} for m in step[:-2]] + step[-2:]
-    timeline = [phases["init"], *first_step, *step, *step, phases["checkpoint_save"]]
+    timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
     outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
@@ -330,9 +334,15 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
     # on a reduction stream (deepspeed/runtime/zero/stage_1_and_2.py, reduction_stream).
     streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
-    stats = replay(moment_events(timeline, _chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last),
-                                 streams),
-                   AllocatorConfig(caching=cuda, capacity=hardware.gpu.memory_bytes - outside))
+    events = moment_events(timeline, _chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), streams)
+    stats = replay(events, AllocatorConfig(caching=cuda))
+    capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
+    if cuda and stats.reserved_peak_bytes > capacity:
+        # Over the capacity: torch frees its cached segments and retries a failing cudaMalloc;
+        # if that rescues the run, reserved is what it holds then, else report what it needed.
+        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity))
+        if not capped.ran_out:
+            stats = capped
     allocated = max(stats.allocated_peak_bytes, totals[peak_phase])
     reserved = max(stats.reserved_peak_bytes, allocated)
     if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
@@ -364,9 +374,11 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     tp = plan.tp
     layer = [lin.count * lin.in_features * lin.out_features // (tp if lin.tp_style != "replicate" else 1)
              for lin in model.layer_linears]
-    layer.append(max(0, rp.num_params // max(1, n_layers) - sum(layer)) if not first and not last else 0)
-    vocab = [model.vocab_size * model.hidden_size] if (first or last) else []
-    params = vocab + layer * max(1, n_layers)
+    # One tensor per block and component: FSDP1 and ZeRO-3 hold a block's parameters as one flat
+    # tensor; per-parameter tensors (DDP, FSDP2) of >= 10 MiB are each rounded to 2 MiB, which a
+    # block-sized tensor under-counts by at most 2 MiB per parameter (a few per mille); it keeps
+    # the replay fast enough for the planner's thousands of calls.
+    params = ([model.vocab_size * model.hidden_size] if (first or last) else []) + [sum(layer)] * max(1, n_layers)
     tokens = plan.micro_batch_size * plan.seq_len
 
     def per_param(itemsize: float) -> tuple[int, ...]:
@@ -382,6 +394,10 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
         out["optimizer_states"] = per_param(4)
         out["optimizer_step_temporaries"] = per_param(4)
         out["gradients"] = per_param(4 if plan.precision != "bf16-pure" else 2)
+    if flat and plan.zero_stage == 3:
+        # stage3.py _optimizer_step: the fp32 gradient is built per sub-group (sub_group_size,
+        # default 1e9 elements: deepspeed/runtime/zero/config.py) and freed after its step.
+        out["optimizer_step_temporaries"] = (DS_SUB_GROUP_SIZE * 4,)
     out["zero3_gathered_params"] = tuple(max(1, p * bpp) for p in layer if p)
     out["autocast_weight_copies"] = tuple(max(1, p * 2) for p in layer if p)
     if ckpt:

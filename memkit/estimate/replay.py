@@ -10,8 +10,8 @@ free frees the top tensor and allocates what is left of it), so the replay's req
 phase walk's allocated peak; what the allocator adds on top is rounding, unsplit remainders, and
 cached segments that the next sizes cannot reuse.
 
-Granularity: parameters, gradients and optimizer states per parameter tensor (per linear of a
-block, the embedding and head on their own); DeepSpeed's flat fp32 partitions as one tensor each
+Granularity: parameters, gradients and optimizer states as one tensor per block (the embedding
+and head on their own); DeepSpeed's flat fp32 partitions as one tensor each
 (deepspeed/runtime/zero/stage_1_and_2.py, single_partition_of_fp32_groups); a block's saved
 activations by region of the block (attention, MLP, norms -- the tape's labels), not per tensor.
 """
@@ -32,7 +32,8 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
     pos: dict[str, int] = {}
     events: list = []
     for moment in moments:
-        names = list(dict.fromkeys([*total, *moment]))  # a fixed order: the replay is deterministic
+        # the components that change, in a fixed order (the replay is deterministic)
+        names = [n for n in dict.fromkeys([*total, *moment]) if total.get(n, 0) != moment.get(n, 0)]
         for name in names:  # frees first: a moment is the most that is live at once
             drop = total.get(name, 0) - moment.get(name, 0)
             if drop <= 0:

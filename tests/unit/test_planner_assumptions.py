@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from memkit.estimate.allocator import K_LARGE_BUFFER
 from memkit.estimate.memory import estimate_memory
 from memkit.plan import TrainingPlan
 from memkit.planner.space import bucket_sizes
@@ -42,18 +43,27 @@ def test_device_memory_is_monotone_within_a_zero_stage(name, gpu, per_node, node
     def peak(p):
         return estimate_memory(model, p, hardware).nvidia_smi_peak_bytes
 
+    # Within one 20 MiB segment: reserved comes from a replay of the caching allocator
+    # (estimate/allocator.py), and a real allocator is not monotone below that grain either (one
+    # more or one fewer cached segment).
+    def le(a, b):
+        return a <= b + K_LARGE_BUFFER
+
+    def descending(xs):
+        return all(le(b, a) for a, b in zip(xs, xs[1:]))
+
     for zero, combos in OFFLOADS.items():
         for ckpt in ("none", "full"):
             for overlap in (True, False):
                 peaks = [peak(plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=ckpt,
                                    overlap_comm=overlap)) for o, q in combos]
-                assert peaks == sorted(peaks, reverse=True), (zero, ckpt, overlap, peaks)
+                assert descending(peaks), (zero, ckpt, overlap, peaks)
         for o, q in combos:
             base = dict(zero_stage=zero, offload_optimizer=o, offload_params=q)
-            assert peak(plan(**base, checkpointing="full")) <= peak(plan(**base, checkpointing="none"))
-            assert peak(plan(**base, overlap_comm=False)) <= peak(plan(**base, overlap_comm=True))
+            assert le(peak(plan(**base, checkpointing="full")), peak(plan(**base, checkpointing="none")))
+            assert le(peak(plan(**base, overlap_comm=False)), peak(plan(**base, overlap_comm=True)))
             micro = [peak(plan(**base, micro_batch_size=m)) for m in (1, 2, 4)]
-            assert micro == sorted(micro)
+            assert descending(micro[::-1]), micro
 
 
 @pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
