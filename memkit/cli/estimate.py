@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, model, hardware)
     stack = parse_stack(args.stack)
     est = estimate_memory(model, plan, hardware, stack=stack)
+    est = _calibrated(est, plan, hardware.gpu.name, stack)
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -78,3 +79,16 @@ def run(args: argparse.Namespace) -> int:
           f"nvidia-smi {est.nvidia_smi_peak_upper_bytes / gib:.2f} GiB; predicted nvidia-smi "
           f"{est.nvidia_smi_peak_bytes / gib:.2f} GiB")
     return 0
+
+
+def _calibrated(est, plan, device: str, stack):
+    """The estimate with upper bounds from this machine's profile, when it holds runs for the
+    device and stack (memkit/profile.py); else unchanged (published-runs margin)."""
+    from memkit import profile
+    from memkit.estimate.memory import with_upper_bounds
+
+    table, n = profile.margins(device, stack)
+    if not n:
+        return est
+    return with_upper_bounds(est, plan, table=table, basis=f"calibrated on {n} runs on this machine",
+                             device="cuda" if device != "cpu" else "cpu")

@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     report["log"] = str(log_path)
     if report["status"] == "oom":
         report["next_plan"] = next_ranked_plan(doc)
+    if report["status"] == "ok":
+        try:
+            report["profile_runs"] = record_in_profile(report, doc, plan, args.model)
+        except (MemkitError, OSError, KeyError) as exc:  # the run's result stands without the profile
+            report["profile_error"] = str(exc)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -180,3 +185,31 @@ def render(report: dict, doc: dict) -> str:
         return "\n".join(lines)
     return (f"memkit verify: run {status} (exit code {report.get('returncode')}); last lines of "
             f"{report.get('log')}:\n{report.get('error', '')}")
+
+
+def record_in_profile(report: dict, doc: dict, plan, model_arg: str | None) -> int:
+    """Add this run's measured vs predicted peaks to the local calibration profile (memkit/profile.py).
+    On CPU the measurement is live tensors, so the prediction compared is memkit's CPU estimate."""
+    import torch
+
+    from memkit import profile
+    from memkit.spec.stack import installed
+
+    measured = dict(report.get("measured") or {})
+    if "device_used_peak_bytes" in measured:
+        measured["nvidia_smi_peak_bytes"] = measured.pop("device_used_peak_bytes")
+    hw_doc = doc.get("hardware") or {}
+    if torch.cuda.is_available():
+        device, predicted = hw_doc.get("gpu", "unknown"), doc.get("estimate") or {}
+    else:
+        from memkit.estimate.memory import estimate_memory
+        from memkit.spec.hardware import Hardware, find_gpu
+        from memkit.spec.hf import load_model_spec
+
+        hardware = Hardware(gpu=find_gpu(hw_doc.get("gpu", "a100-80gb")),
+                            num_gpus_per_node=int(hw_doc.get("num_gpus_per_node", plan.num_gpus)),
+                            num_nodes=int(hw_doc.get("num_nodes", 1)))
+        est = estimate_memory(load_model_spec(model_arg or doc["model"]), plan, hardware, device="cpu")
+        device, predicted = "cpu", est.to_dict()
+        measured = {"allocated_peak_bytes": measured.get("allocated_peak_bytes")}
+    return profile.record_run(device=device, stack=installed(), plan=plan, predicted=predicted, measured=measured)

@@ -95,12 +95,12 @@ def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = 
     """`est` with its upper bounds: + the p90 margin for this kind of plan (estimate/bounds.py;
     `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
     not cache and memkit is exact to a few %: the bounds equal the prediction."""
-    m = margin(plan, table) if device == "cuda" else 0.0
-    if not basis:
+    m = margin(plan, table) if (device == "cuda" or table is not None) else 0.0
+    if not basis and table is None:
         from memkit.estimate.residuals_table import NUM_ROWS
         basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs "
                  f"({plan_kind(plan)} plans)") if device == "cuda" else "CPU: exact replay"
-    notes = est.notes
+    notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
         notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
                          f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
