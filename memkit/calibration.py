@@ -256,6 +256,10 @@ def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
             raise MemkitError(f"calibration record {record['id']}: model {name!r} is neither in the catalog "
                               f"nor in {configs_dir}; add its config.json there")
         spec = load_model_spec(catalog)
+    if record["source_id"] == "litgpt_resource_tables" and spec.hidden_act in ("gelu_new", "gelu_fast", "gelu_accurate"):
+        # litgpt's own MLP calls torch.nn.functional.gelu(x, approximate="tanh") (litgpt/model.py,
+        # GptNeoxMLP), one aten op that saves its input -- HF's name for it is gelu_pytorch_tanh.
+        spec = replace(spec, hidden_act="gelu_pytorch_tanh")
     if record.get("task") == "seq_cls":
         spec = as_sequence_classifier(spec, num_labels=2)
         approx.append("seq-cls head (pooler + 2-way classifier) in place of the MLM head: "

@@ -404,7 +404,10 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
         out["activations"] = (blk.input_bytes,)
     else:
         out["activations"] = tuple(v for v in blk.by_label.values() if v) or (blk.saved_bytes,)
-    out["logits_and_loss"] = (max(1, tokens * model.vocab_size * 4 // max(1, tp if tp > 1 else 1)),)
+    # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
+    logits = tokens * model.vocab_size // max(1, tp)
+    out["logits_and_loss"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
+                              max(1, logits * 4), max(1, logits * 4))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)
     return out
 
