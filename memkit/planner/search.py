@@ -137,6 +137,10 @@ class _Evaluator:
             self._cache[plan] = out
             return out
         device = device_peak_bytes(est) / self.budget
+        # The upper bound (prediction + p90 margin, estimate/bounds.py) must fit the device itself:
+        # the headroom is what absorbs memkit's error.
+        upper = est.nvidia_smi_peak_upper_bytes / hw.gpu.memory_bytes
+        upper_fails = upper > 1.0 >= device
         host = est.host_bytes_per_node / hw.host_ram_bytes_per_node
         nvme = est.nvme_bytes_per_node / hw.nvme_bytes_per_node if hw.nvme_bytes_per_node else 0.0
         ratios = [(device, f"{device_peak_bytes(est) / GIB:.1f} GiB > {self.budget / GIB:.1f} GiB budget"),
@@ -144,8 +148,11 @@ class _Evaluator:
                          f"{hw.host_ram_bytes_per_node / GIB:.1f} GiB per node"),
                   (nvme, f"NVMe {est.nvme_bytes_per_node / GIB:.1f} GiB > "
                          f"{hw.nvme_bytes_per_node / GIB:.1f} GiB per node")]
+        if upper_fails:
+            ratios.append((upper, f"upper bound {est.nvidia_smi_peak_upper_bytes / GIB:.1f} GiB "
+                                  f"(+{est.upper_margin:.0%}) > {hw.gpu.memory_bytes / GIB:.1f} GiB device"))
         worst, why = max(ratios, key=lambda r: r[0])
-        out = _Verdict(est, why if worst > 1.0 else "", worst, device > 1.0, host > 1.0 or nvme > 1.0)
+        out = _Verdict(est, why if worst > 1.0 else "", worst, device > 1.0 or upper_fails, host > 1.0 or nvme > 1.0)
         self._cache[plan] = out
         return out
 
