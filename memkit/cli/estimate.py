@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, model, hardware)
     stack = parse_stack(args.stack)
     est = estimate_memory(model, plan, hardware, stack=stack)
-    est = _calibrated(est, plan, hardware.gpu.name, stack)
+    # a CPU estimate (`--device cpu`, where the CLI has it) is calibrated by CPU verify runs
+    device_key = "cpu" if getattr(args, "device", "cuda") == "cpu" else hardware.gpu.name
+    est = _calibrated(est, plan, device_key, stack)
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)

@@ -226,8 +226,9 @@ def test_verify_reports_prediction_and_oom(tmp_path, tiny):
     plan_path.write_text(json.dumps(doc))
     cmd = [sys.executable, "-m", "memkit.cli.main", "verify", "--plan", str(plan_path), "--model", str(tiny),
            "--steps", "3", "--timeout-s", "240"]
+    profile_path = tmp_path / "profile.json"
     ok = subprocess.run([*cmd, "--output-dir", str(tmp_path / "ok"), "--json"], capture_output=True, text=True,
-                        env=env(), cwd=REPO, timeout=300)
+                        env={**env(), "MEMKIT_PROFILE": str(profile_path)}, cwd=REPO, timeout=300)
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     report = json.loads(ok.stdout)
     assert report["status"] == "ok" and report["steps_done"] == 3 and report["world_size"] == 2
@@ -235,6 +236,14 @@ def test_verify_reports_prediction_and_oom(tmp_path, tiny):
     assert report["measured"]["allocated_peak_bytes"] > 0
     assert report["measured_over_predicted"]["allocated_peak_bytes"] > 0
     assert report["measured"]["tokens_per_s"] > 0
+    # the run is in the local profile (memkit/profile.py), against memkit's CPU estimate of the plan
+    from memkit import profile
+    from memkit.spec.stack import installed
+    assert report["profile_runs"] == 1, report.get("profile_error")
+    run = json.loads(profile_path.read_text())["machines"][profile.machine_key("cpu", installed())]["runs"][0]
+    assert run["measured"]["allocated_peak_bytes"] == report["measured"]["allocated_peak_bytes"]
+    table, n = profile.margins("cpu", installed(), profile_path)
+    assert n == 1 and "all" in table
 
     oom = subprocess.run([*cmd, "--output-dir", str(tmp_path / "oom")], capture_output=True, text=True,
                          env={**env(), "MEMKIT_DEBUG_OOM_AT_STEP": "2"}, cwd=REPO, timeout=300)
