@@ -115,7 +115,8 @@ class CachingAllocator:
         if key in self.live:
             raise ValueError(f"allocation key {key!r} is already live")
         self.requested += size
-        self.requested_peak = max(self.requested_peak, self.requested)
+        if self.requested > self.requested_peak:
+            self.requested_peak = self.requested
         if not self.cfg.caching:
             self.live[key] = (None, size)
             self.allocated = self.reserved = self.requested
@@ -129,7 +130,8 @@ class CachingAllocator:
         block = self._take(block, rounded)
         self.live[key] = (block, size)
         self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
 
     def free(self, key: object) -> None:
         block, size = self.live.pop(key)

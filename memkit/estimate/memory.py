@@ -337,9 +337,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     events = moment_events(timeline, _chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), streams)
     stats = replay(events, AllocatorConfig(caching=cuda))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
-    if cuda and stats.reserved_peak_bytes > capacity:
-        # Over the capacity: torch frees its cached segments and retries a failing cudaMalloc;
-        # if that rescues the run, reserved is what it holds then, else report what it needed.
+    if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
+        # Over the capacity only through the cache: torch frees its cached segments and retries a
+        # failing cudaMalloc; if that rescues the run, reserved is what it holds then, else report
+        # what it needed (allocated > capacity runs out whatever the cache does).
         capped = replay(events, AllocatorConfig(caching=True, capacity=capacity))
         if not capped.ran_out:
             stats = capped
