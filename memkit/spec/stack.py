@@ -17,6 +17,10 @@ installed version). Behaviours, each with the version where it changed:
   stacks load every kernel image at context creation: the HF "Model training anatomy" doc
   measured 1343 MiB of context on a V100 with torch of that time (transformers ~4.16), against
   memkit's 420 MiB lazy figure for that GPU -- 923 MiB of eagerly loaded kernels.
+- foreach optimizers (torch): from 2.0 torch.optim picks the foreach implementation on CUDA when
+  `foreach` is unset (torch/optim/optimizer.py, _default_to_fused_or_foreach), whose
+  `_foreach_sqrt` makes a temporary as large as all parameters; 1.x AdamW set `foreach = False`
+  when unset (torch/optim/adamw.py) and loops over parameters, one parameter's temporary at a time.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from memkit.units import MIB
 PACKAGES = ("torch", "transformers", "deepspeed", "peft")
 FOR_CAUSAL_LM_LOSS = (4, 46)
 LAZY_LOADING_TORCH = (1, 13)
+FOREACH_DEFAULT_TORCH = (2, 0)
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
 
 
@@ -94,6 +99,8 @@ class StackBehaviour:
     """The causal-LM loss makes a contiguous shifted copy of the logits (transformers < 4.46)."""
     eager_module_loading: bool
     """CUDA kernels are loaded at context creation (torch < 1.13)."""
+    foreach_optimizer: bool = True
+    """torch.optim defaults to the foreach implementation (torch >= 2.0)."""
     notes: tuple[str, ...] = ()
 
 
@@ -114,4 +121,8 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     eager = th is not None and th < LAZY_LOADING_TORCH
     if eager:
         notes.append(f"torch {stack.torch} < 1.13: CUDA kernels load eagerly (+{EAGER_KERNEL_IMAGES_BYTES // MIB} MiB context)")
-    return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, notes=tuple(notes))
+    foreach = th is None or th >= FOREACH_DEFAULT_TORCH
+    if not foreach:
+        notes.append(f"torch {stack.torch} < 2.0: torch.optim loops over parameters (no foreach temporaries)")
+    return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
+                          notes=tuple(notes))

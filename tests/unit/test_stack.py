@@ -77,3 +77,28 @@ def test_two_loss_paths_priced_as_measured():
     assert priced == b * (s - 1) * vocab * 4  # the shifted fp32 copy
     assert abs(priced - measured) <= 0.05 * measured, (priced, measured)
     assert any("4.46" in n for n in old.notes)
+
+
+def test_torch1_adamw_loop_priced_as_measured_with_foreach_off():
+    """torch < 2.0 AdamW loops over parameters: the step peak holds one parameter's temporary,
+    not the foreach one as large as all of them (measured here with foreach=False)."""
+    from memkit.estimate.memory import estimate_memory
+    from memkit.measure.cpu_step import measure_training
+    from memkit.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import spec_from_config
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    plan = TrainingPlan(precision="fp32", engine="torch", micro_batch_size=1, seq_len=16, attention="sdpa")
+    spec = spec_from_config(cfg, name="tiny")
+    hw = Hardware(gpu=find_gpu("a100-80gb"))
+    loop = measure_training(cfg, plan, num_steps=2, foreach=False)["phases"]["optimizer_step"]["peak_bytes"]
+    fused = measure_training(cfg, plan, num_steps=2, foreach=True)["phases"]["optimizer_step"]["peak_bytes"]
+    old = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(torch="1.13")).phases["optimizer_step"]
+    new = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(torch="2.4")).phases["optimizer_step"]
+    assert fused > 1.1 * loop  # the foreach temporary is visible at this size
+    assert abs(old - loop) <= 0.05 * loop, (old, loop)
+    assert abs(new - fused) <= 0.05 * fused, (new, fused)
+    assert not behaviour(Stack(torch="1.13.1")).foreach_optimizer and behaviour(Stack(torch="2.0")).foreach_optimizer
