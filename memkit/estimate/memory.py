@@ -25,7 +25,7 @@ from memkit.estimate.activations import block_activations, head_activations, num
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.bounds import QUANTILE, margin, plan_kind
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
-from memkit.estimate.replay import moment_events, scaled
+from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
 from memkit.plan import TrainingPlan
@@ -373,8 +373,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
 
 def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckpt: bool, n_layers: int,
             first: bool, last: bool) -> dict[str, tuple[int, ...]]:
-    """The tensor sizes each component is made of (replay.py): relative sizes, scaled to the
-    component's bytes per pass over one copy of the stage's parameters or one block."""
+    """The bytes of the tensors each component is made of, in the order they are allocated
+    (replay.py cycles through them); a component without an entry is one tensor."""
     tp = plan.tp
     layer = [lin.count * lin.in_features * lin.out_features // (tp if lin.tp_style != "replicate" else 1)
              for lin in model.layer_linears]

@@ -69,10 +69,3 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
             total[name] = moment[name]
     return events
 
-
-def scaled(pattern: list[int], total: int) -> tuple[int, ...]:
-    """`pattern` (relative tensor sizes) scaled so that one pass over it sums to `total`."""
-    weight = sum(pattern)
-    if total <= 0 or weight <= 0:
-        return ()
-    return tuple(max(1, p * total // weight) for p in pattern if p > 0)
