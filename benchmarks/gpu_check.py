@@ -100,20 +100,26 @@ def _ratio(measured, predicted) -> str:
 def table(rows: list[dict], gpu_name: str) -> str:
     lines = [f"# memkit gpu_check: {MODEL} on one {gpu_name}", "",
              "Allocated/reserved: torch.cuda.max_memory_allocated/_reserved over the run (GiB); "
-             "predicted: memkit's estimate in plan.json. tokens/s: median step after the first.", "",
+             "predicted: memkit's estimate in plan.json (reserved from its allocator replay); upper: "
+             "reserved_peak_upper_bytes (prediction + p90 margin), 'ok' when the measurement is under it. "
+             "tokens/s: median step after the first.", "",
              "| plan | status | alloc pred | alloc meas | ratio | reserved pred | reserved meas | ratio "
-             "| tok/s pred | tok/s meas | ratio | MFU meas |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| reserved upper | tok/s pred | tok/s meas | ratio | MFU meas |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         rep = row["report"]
         pred, meas = rep.get("predicted") or {}, rep.get("measured") or {}
         mfu = meas.get("mfu")
+        upper = row.get("reserved_upper_bytes")
+        within = "" if not (upper and meas.get("reserved_peak_bytes")) else (
+            " ok" if meas["reserved_peak_bytes"] <= upper else " EXCEEDED")
         lines.append(
             f"| {row['label']} | {rep.get('status')} | {_gib(pred.get('allocated_peak_bytes'))} | "
             f"{_gib(meas.get('allocated_peak_bytes'))} | "
             f"{_ratio(meas.get('allocated_peak_bytes'), pred.get('allocated_peak_bytes'))} | "
             f"{_gib(pred.get('reserved_peak_bytes'))} | {_gib(meas.get('reserved_peak_bytes'))} | "
             f"{_ratio(meas.get('reserved_peak_bytes'), pred.get('reserved_peak_bytes'))} | "
+            f"{_gib(upper)}{within} | "
             f"{pred.get('tokens_per_s', 0):,.0f} | {meas.get('tokens_per_s') or 0:,.0f} | "
             f"{_ratio(meas.get('tokens_per_s'), pred.get('tokens_per_s'))} | "
             f"{'-' if mfu is None else f'{mfu:.1%}'} |")
@@ -148,10 +154,11 @@ def main() -> int:
             continue
         try:
             plan_path = write_plan_bundle(folder, label, knobs, gpu_name)
+            upper = json.loads(plan_path.read_text())["estimate"].get("reserved_peak_upper_bytes")
             report = run_verify(plan_path, folder / "run", steps=args.steps, timeout_s=args.per_run_timeout_s)
         except Exception as exc:  # record and go on: one bad plan must not hide the others
-            report = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-        rows.append({"label": label, "knobs": knobs, "report": report})
+            upper, report = None, {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        rows.append({"label": label, "knobs": knobs, "report": report, "reserved_upper_bytes": upper})
         print(f"gpu_check: {label}: {report.get('status')} ({report.get('wall_s', 0):.0f}s)", file=sys.stderr)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
