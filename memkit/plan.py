@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from memkit.errors import MemkitError
+from memkit.parallel import split_knob_error
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
@@ -128,16 +129,9 @@ class TrainingPlan:
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
-        if self.sequence_parallel and self.tp == 1:
-            raise MemkitError("sequence parallel shards activations over tensor-parallel ranks; use --tp >= 2")
-        if self.sequence_parallel and self.tp_engine == "autotp":
-            raise MemkitError("DeepSpeed AutoTP has no sequence parallelism; use tp engine tp_plan")
-        if self.tp > 1 and self.engine == "deepspeed" and self.tp_engine == "autotp" and self.zero_stage == 3:
-            raise MemkitError("DeepSpeed AutoTP training supports ZeRO 0-2, not 3; use --zero 2 or lower")
-        if self.pp > 1 and self.zero_stage > 1:
-            raise MemkitError(
-                f"pipeline parallel with --zero {self.zero_stage}: pipeline schedules keep "
-                "gradients across micro-batches, so only ZeRO 0-1 apply; use --zero 1 or lower")
+        split_error = split_knob_error(self)  # memkit/parallel.py states the split rules
+        if split_error:
+            raise MemkitError(split_error)
         return self
 
     def with_(self, **changes) -> "TrainingPlan":

@@ -14,6 +14,7 @@ from pathlib import Path
 from memkit.emit.accelerate import accelerate_config
 from memkit.emit.deepspeed import deepspeed_config, trainer_arguments
 from memkit.errors import MemkitError
+from memkit.parallel import engines
 from memkit.plan import TrainingPlan
 from memkit.units import GIB
 
@@ -53,29 +54,6 @@ def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory
         "rejected": rejected or [],
         "notes": notes or [],
         "versions": versions() if version_info is None else version_info,
-    }
-
-
-def engines(plan: TrainingPlan) -> dict:
-    """Which engine runs each split of `plan` (plan.json's "engines"; None: no such split)."""
-    ds = plan.engine == "deepspeed"
-    if ds:
-        dp = f"DeepSpeed ZeRO-{plan.zero_stage}" + (" (AutoTP data-parallel groups)" if plan.tp > 1 else "")
-    elif plan.pp > 1:
-        dp = "gradient all-reduce over the pipeline replicas (memkit.train.parallel)"
-    else:
-        dp = "PyTorch DDP (Accelerate)"
-    return {
-        "launcher": "accelerate launch, DeepSpeed (ds_config.json)" if ds
-        else "accelerate launch, torchrun processes (no DeepSpeed)",
-        "data_parallel": dp if plan.dp > 1 else None,
-        "tensor_parallel": (f"DeepSpeed AutoTP training, autotp_size {plan.tp} (ds_config.json tensor_parallel)"
-                            if plan.tp_engine == "autotp" else f"transformers tp_plan (DTensor), tp {plan.tp}")
-        if plan.tp > 1 else None,
-        "pipeline_parallel": (f"torch.distributed.pipelining, {plan.pp} stages, "
-                              f"{'Schedule1F1B' if plan.pp_schedule == '1f1b' else 'ScheduleGPipe'} over "
-                              f"{plan.grad_accum} micro-batches" if plan.pp_engine == "torch"
-                              else f"DeepSpeed PipelineModule, {plan.pp} stages") if plan.pp > 1 else None,
     }
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
+from memkit.parallel import split_name
 from memkit.plan import TrainingPlan
 from memkit.planner.space import (Request, Tier, describe, layouts, micro_batch_options, structures,
                                   tiers, with_micro)
@@ -216,13 +217,6 @@ def _phases(request: Request, lays: list[tuple[int, int, int]]) -> list[list[tup
     if request.split == "auto" or not plain or not split:
         return [lays]
     return [plain, split]
-
-
-def split_name(plan: TrainingPlan) -> str:
-    """'tensor parallel 2 (DeepSpeed AutoTP)' / 'pipeline parallel 2 (torch.distributed.pipelining, 1F1B)'."""
-    if plan.tp > 1:
-        return f"tensor parallel {plan.tp} (DeepSpeed AutoTP)"
-    return f"pipeline parallel {plan.pp} (torch.distributed.pipelining, {plan.pp_schedule.upper()})"
 
 
 _TERM_WORDS = {

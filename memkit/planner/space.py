@@ -5,18 +5,17 @@ accumulation); search.py finds the largest micro-batch that fits for each struct
 memory only grows with the micro-batch. Batch arithmetic is exact: micro * accum * dp equals
 the requested global batch or the layout is not offered.
 
-Model splits are offered only as the runner (launch/finetune.py) runs them
-(memkit.train.parallel.validate_parallel is the authority): tensor parallel through DeepSpeed
-AutoTP (engine deepspeed, ZeRO 0-2, inside a node, degrees dividing heads, KV heads and the MLP
-width, no offload, no LoRA) and pipeline parallel through torch.distributed.pipelining (engine
-torch, ZeRO 0, 1F1B with at least pp micro-batches), never both in one plan, only for the
-families in TP_MODEL_TYPES / PP_MODEL_TYPES; tp * pp * dp = GPUs.
+Model splits are offered only as the runner (launch/finetune.py) runs them; memkit/parallel.py
+states those rules (engines, ZeRO stages, degrees, families) and this module only enumerates
+what they allow; tp * pp * dp = GPUs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from memkit.errors import MemkitError
+from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
+                             validate_parallel)
 from memkit.plan import CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -123,29 +122,11 @@ class Request:
         num_gpus = self.hardware.num_gpus
         if self.split not in SPLIT_MODES:
             raise MemkitError(f"split mode {self.split!r} is not one of {', '.join(SPLIT_MODES)}")
-        if self.tp is not None:
-            if self.tp < 1 or self.hardware.num_gpus_per_node % self.tp:
-                raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
-                                  "(tensor parallelism stays inside a node)")
-            if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
-                ok = [t for t in (1, 2, 4, 8, 16) if model.num_attention_heads % t == 0
-                      and model.num_key_value_heads % t == 0]
-                raise MemkitError(f"--tp {self.tp} does not divide num_attention_heads="
-                                  f"{model.num_attention_heads} / num_key_value_heads={model.num_key_value_heads}; "
-                                  f"try --tp in {{{','.join(map(str, ok))}}}")
-            if self.tp > 1 and self.lora_rank:
-                raise MemkitError("--tp > 1 with --lora-rank: LoRA plans are data-parallel only; use --tp 1")
-        if self.pp is not None:
-            if self.pp < 1 or num_gpus % (self.pp * (self.tp or 1)):
-                raise MemkitError(f"--pp {self.pp} (x --tp {self.tp or 1}) must divide the {num_gpus} GPUs")
-            if self.pp > model.total_layers:
-                raise MemkitError(f"--pp {self.pp} exceeds the {model.total_layers} layers of {model.name}")
-            if self.pp > 1 and self.lora_rank:
-                raise MemkitError("--pp > 1 with --lora-rank: LoRA plans are data-parallel only; use --pp 1")
-        if (self.tp or 1) > 1 and ("cpu" in (self.offload_optimizer, self.offload_params)
-                                   or "nvme" in (self.offload_optimizer, self.offload_params)):
-            raise MemkitError(f"--tp {self.tp} with offload: memkit runs DeepSpeed AutoTP without "
-                              "ZeRO offload; use --offload-optimizer none / --offload-params none or --tp 1")
+        if self.tp is not None and (self.tp < 1 or self.hardware.num_gpus_per_node % self.tp):
+            raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
+                              "(tensor parallelism stays inside a node)")
+        if self.pp is not None and (self.pp < 1 or num_gpus % (self.pp * (self.tp or 1))):
+            raise MemkitError(f"--pp {self.pp} (x --tp {self.tp or 1}) must divide the {num_gpus} GPUs")
         if (self.pp or 1) > 1:
             per_rank_max = self.global_batch_size // (num_gpus // (self.pp * (self.tp or 1)))
             if per_rank_max < self.pp:
@@ -154,12 +135,12 @@ class Request:
                     f"needs at least {self.pp} micro-batches per step on each of the "
                     f"{num_gpus // (self.pp * (self.tp or 1))} pipelines; use --global-batch-size >= "
                     f"{self.pp * (num_gpus // (self.pp * (self.tp or 1)))}")
-        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split, the runner's
-        # validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
+        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split,
+        # memkit.parallel.validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
         # other pins allow.
         tp, pp = self.tp or 1, self.pp or 1
         error = None
-        for zero in ([self.zero_stage] if self.zero_stage is not None else [0, 1, 2, 3]):
+        for zero in ([self.zero_stage] if self.zero_stage is not None else list(run_zero_stages(tp, pp))):
             probe = split_plan(TrainingPlan(
                 precision=self.precision or ("bf16" if gpu.bf16 else "fp16"),
                 optimizer=self.optimizer or "adamw", zero_stage=zero,
@@ -176,7 +157,7 @@ class Request:
         else:
             raise error
         if tp > 1 or pp > 1:
-            runnable(model, probe, self.hardware)
+            validate_parallel(model, probe, self.hardware)
         return self
 
     def hardware_dict(self) -> dict:
@@ -212,37 +193,11 @@ def tiers(request: Request) -> list[Tier]:
     return [reference, lean]
 
 
-def runnable(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    """MemkitError unless the runner can run `plan`'s split (memkit.train.parallel, torch-free)."""
-    from memkit.train.parallel import validate_parallel
-
-    validate_parallel(model, plan, hardware)
-
-
-def split_plan(plan: TrainingPlan) -> TrainingPlan:
-    """`plan` with the engines its split runs on: AutoTP inside DeepSpeed for tp > 1, plain torch
-    with torch.distributed.pipelining (1F1B) for pp > 1."""
-    if plan.pp > 1:
-        return plan.with_(engine="torch", pp_engine="torch", pp_schedule="1f1b")
-    if plan.tp > 1:
-        return plan.with_(engine="deepspeed", tp_engine="autotp")
-    return plan
-
-
 def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
-    """Degrees the runner can split this model into (memkit.train.parallel's families)."""
-    from memkit.train.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES
-
-    model, hw = request.model, request.hardware
-    splittable = model.kind == "decoder" and not request.lora_rank
-    tps = [1]
-    if splittable and model.model_type in TP_MODEL_TYPES:
-        tps += [t for t in (2, 4, 8, 16) if t <= hw.num_gpus_per_node and hw.num_gpus_per_node % t == 0
-                and model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0
-                and model.intermediate_size % t == 0]
-    pps = [1]
-    if splittable and model.model_type in PP_MODEL_TYPES:
-        pps += [p for p in (2, 4, 8, 16, 32) if p <= model.num_layers]
+    """Degrees the runner can split this model into (memkit.parallel)."""
+    can_tp, can_pp = split_families(request.model, lora=bool(request.lora_rank))
+    tps = tp_choices(request.model, request.hardware.num_gpus_per_node) if can_tp else [1]
+    pps = pp_choices(request.model) if can_pp else [1]
     return tps, pps
 
 
@@ -341,10 +296,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     tp, pp, dp = layout
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
-    if pp > 1:
-        zeros = [z for z in zeros if z == 0]  # the runner's pipeline keeps whole states per stage
-    elif tp > 1:
-        zeros = [z for z in zeros if z <= 2]  # DeepSpeed AutoTP training: ZeRO 0-2
+    zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
     accum = request.global_batch_size // dp
     out: list[TrainingPlan] = []
@@ -354,8 +306,6 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                 if precision == "bf16-pure" and zero == 0:
                     continue  # DeepSpeed keeps bf16 master weights only under ZeRO 1-3
                 combos = _offload_combos(request, zero)
-                if tp * pp > 1:  # the runner's splits run without ZeRO offload
-                    combos = [c for c in combos if c == ("none", "none")]
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
                         for ckpt in ckpts:
@@ -370,7 +320,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                             try:
                                 plan.validate()
                                 if tp * pp > 1:
-                                    runnable(request.model, plan, request.hardware)
+                                    validate_parallel(request.model, plan, request.hardware)
                             except MemkitError:
                                 continue
                             out.append(plan)

@@ -244,17 +244,12 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
 
 def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
     """Replace 'auto' batch/clipping values in a user's DeepSpeed config with the plan's; return keys."""
-    from memkit.emit.deepspeed import deepspeed_train_batch_size
+    from memkit.emit.deepspeed import batch_fields
 
-    values = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
-              "gradient_accumulation_steps": plan.grad_accum,
-              "train_batch_size": deepspeed_train_batch_size(plan),
-              "gradient_clipping": plan.gradient_clipping}
-    filled = []
-    for key, value in values.items():
-        if ds_config.get(key) == "auto":
-            ds_config[key] = value
-            filled.append(key)
+    values = {**batch_fields(plan), "gradient_clipping": plan.gradient_clipping}
+    filled = [key for key in ds_config if key in values and ds_config[key] == "auto"]  # in file order
+    for key in filled:
+        ds_config[key] = values[key]
     return filled
 
 
@@ -263,13 +258,13 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
 def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path, model_name: str,
                 resume: str | None, save_every: int, env: dict | None) -> None:
     """Before any process group exists: MemkitError (one line, exit 2) unless the runner can run
-    `plan`'s tensor/pipeline split on this model and this launch (memkit.train.parallel
+    `plan`'s tensor/pipeline split on this model and this launch (memkit.parallel
     .validate_parallel, rank_layout), and unless it is asked for what split runs cannot do yet.
     env: the launched process's environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE); None before
     the launch, when only the plan and the model can be checked."""
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
-    from memkit.train.parallel import rank_layout, validate_parallel
+    from memkit.parallel import rank_layout, validate_parallel
 
     what = f"tp={plan.tp}" if plan.tp > 1 else f"pp={plan.pp}"
     if resume is not None:

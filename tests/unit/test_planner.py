@@ -175,7 +175,7 @@ def test_tp_auto_can_meet_a_batch_that_pure_data_parallel_cannot():
     ({"zero_stage": 2, "offload_params": "cpu"}, r"parameter offload exists only in ZeRO-3; use --zero 3"),
     ({"precision": "bf16-pure", "zero_stage": 0}, r"bf16-pure with --zero 0"),
     ({"tp": 3}, r"--tp 3 must divide the 8 GPUs per node"),
-    ({"tp": 2, "lora_rank": 8}, r"LoRA plans are data-parallel only"),
+    ({"tp": 2, "lora_rank": 8}, r"tp=2 with LoRA: the runner does not shard peft adapters"),
     ({"headroom": 0.95}, r"--headroom 95% must be between 0% and 90%"),
     ({"max_micro_batch": 0}, r"--max-micro-batch 0 must be >= 1"),
     ({"objective": "speed"}, r"--objective 'speed' is not one of throughput, memory"),

@@ -16,7 +16,7 @@ from memkit.planner.space import layouts, micro_batch_options, structures, tiers
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.train.config import check_split, knobs_from_deepspeed, resolve_plan
-from memkit.train.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
+from memkit.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
 from memkit.units import GIB
 
 
@@ -143,7 +143,7 @@ def test_every_split_structure_is_runnable():
     ("gpt2", ["--pp", "2"], "pp=2 on model_type 'gpt2': the runner splits llama"),
     ("llama-3.2-1b", ["--tp", "2", "--pp", "2"], "tp=2 with pp=2: the runner does not combine"),
     ("llama-3.2-1b", ["--pp", "2", "--zero", "1"], "pp=2 with --zero 1: the runner's pipeline path"),
-    ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "--tp 2 with offload: memkit runs DeepSpeed "
+    ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "tp=2 with offload: memkit runs DeepSpeed "
                                                                   "AutoTP without ZeRO offload"),
     ("llama-3.2-1b", ["--pp", "4", "--global-batch-size", "2"], "--pp 4 with --global-batch-size 2: the 1F1B "
                                                                 "pipeline needs at least 4 micro-batches"),
