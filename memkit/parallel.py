@@ -56,9 +56,9 @@ RUN_PP = {"engine": "torch", "pp_engine": "torch", "pp_schedule": "1f1b", "zero_
 """How memkit's runner runs pipeline parallel: torch.distributed.pipelining with 1F1B (the
 planner's choice; GPipe is accepted when pinned), whole optimizer states per stage (ZeRO-0)."""
 
-SPLIT_LIMITS = "no checkpoints or resume yet for tp/pp runs (--save-every, --resume and the final model save are refused)"
-"""What a tensor/pipeline-split run cannot do yet (memkit.train.config.check_split refuses it;
-`memkit suggest` prints it for a split plan)."""
+SPLIT_LIMITS = "no checkpoints or resume yet for tp/pp runs, and no final model folder"
+"""What a tensor/pipeline-split run cannot do yet: memkit.train.config.check_split refuses
+--save-every / --resume with it, the loop skips the final save, `memkit suggest` prints it."""
 
 
 # ---- what a plan may describe (priced) ------------------------------------------------------------

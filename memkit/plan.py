@@ -17,6 +17,9 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
 OFFLOADS = ("none", "cpu", "nvme")
 CHECKPOINTING = ("none", "full")
 ATTENTIONS = ("eager", "sdpa", "flash")
+HF_ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+"""transformers' attn_implementation for each plan attention (transformers modeling_utils.py,
+_check_and_adjust_attn_implementation); the runner and the bundle's Trainer model kwargs use it."""
 ENGINES = ("deepspeed", "torch")
 TP_ENGINES = ("autotp", "tp_plan")
 PP_ENGINES = ("torch", "deepspeed")

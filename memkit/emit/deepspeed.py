@@ -10,7 +10,7 @@ AcceleratorState.mixed_precision).
 HF Trainer's --deepspeed takes the same file when TrainingArguments agree with it
 (transformers integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_process):
 per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, learning_rate,
-adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16; `trainer_arguments()` lists them.
+adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16; memkit.emit.trainer lists them.
 """
 from __future__ import annotations
 
@@ -88,6 +88,15 @@ def batch_fields(plan: TrainingPlan) -> dict:
             "gradient_accumulation_steps": plan.grad_accum}
 
 
+def largest_param_numel(model) -> int:
+    """The model's largest single tensor (the token embedding, or an untied LM head, in practice):
+    what the NVMe parameter-offload swap buffer must hold (offload_param.buffer_size)."""
+    biggest = model.vocab_size * model.hidden_size
+    for lin in model.layer_linears + model.encoder_layer_linears:
+        biggest = max(biggest, lin.in_features * lin.out_features)
+    return biggest
+
+
 def _zero_block(plan: TrainingPlan, nvme_path: str, largest_param_numel: int) -> dict:
     zero: dict = {"stage": plan.zero_stage}
     if plan.zero_stage >= 1:
@@ -129,23 +138,6 @@ def _optimizer_block(plan: TrainingPlan, *, lr: float, weight_decay: float) -> d
         # Unknown names fall through to torch.optim (runtime/engine.py, _configure_basic_optimizer).
         return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM, "weight_decay": weight_decay}}
     return None  # adamw-8bit, adafactor: the script passes the optimizer object
-
-
-def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> dict:
-    """The transformers TrainingArguments that agree with `deepspeed_config(plan)` exactly."""
-    args = {
-        "per_device_train_batch_size": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "max_grad_norm": plan.gradient_clipping,
-        "learning_rate": lr,
-        "weight_decay": weight_decay,
-        "adam_beta1": ADAM_BETAS[0],
-        "adam_beta2": ADAM_BETAS[1],
-        "adam_epsilon": ADAM_EPS,
-        "bf16": plan.precision in ("bf16", "bf16-pure"),
-        "fp16": plan.precision == "fp16",
-    }
-    return args
 
 
 def _offload(device: str, nvme_path: str) -> dict:

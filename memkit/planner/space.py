@@ -160,13 +160,16 @@ class Request:
             validate_parallel(model, probe, self.hardware)
         return self
 
-    def hardware_dict(self) -> dict:
-        """The hardware part of the request, as plan.json records it."""
-        hw = self.hardware
-        return {"gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes,
-                "num_gpus_per_node": hw.num_gpus_per_node, "num_nodes": hw.num_nodes,
-                "host_ram_bytes_per_node": hw.host_ram_bytes_per_node,
-                "nvme_bytes_per_node": hw.nvme_bytes_per_node, "inter_node_gbps": hw.inter_node_gbps}
+
+def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
+    """The q/v attention projections under the model's own names (peft's defaults,
+    peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), else its first linear."""
+    names = model.linear_names()
+    for pair in (("q_proj", "v_proj"), ("q", "v"), ("query", "value"), ("c_attn",),
+                 ("query_key_value",), ("qkv_proj",), ("Wqkv",)):
+        if all(n in names for n in pair):
+            return pair
+    return tuple(names[:1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ import yaml
 
 from memkit.emit.accelerate import accelerate_config
 from memkit.emit.bundle import FILES, bundle_files, plan_document, write_bundle
-from memkit.emit.deepspeed import batch_fields, deepspeed_config, trainer_arguments
+from memkit.emit.deepspeed import batch_fields, deepspeed_config
+from memkit.emit.trainer import trainer_arguments
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
