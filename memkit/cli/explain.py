@@ -93,6 +93,8 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     lines += ["", f"Chosen plan: {doc.get('label', '')}"]
     if doc.get("split_reason"):
         lines.append(f"  split: {doc['split_reason']}")
+    if doc.get("split_limits"):
+        lines.append(f"  split runs: {doc['split_limits']}")
     precision_note = {"fp16": "mixed, fp32 master weights, dynamic loss scaling",
                       "bf16": "mixed, fp32 master weights", "bf16-pure": "weights, grads, optimizer states in bf16",
                       "fp32": "full precision"}[plan["precision"]]

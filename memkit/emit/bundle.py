@@ -172,6 +172,10 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
     plan = doc.plan
     recipe = trainer_recipe(plan, lr=doc.lr)
     kwargs = ", ".join(f"{k}={v!r}" for k, v in recipe.model_kwargs.items())
+    from memkit.spec.hf import find_catalog_model
+
+    entry = find_catalog_model(str(document["model"]))
+    checkpoint = entry.hub_id if entry is not None else document["model"]  # a catalog name is no hub id
     lines = [
         "With Hugging Face Trainer instead, pass these TrainingArguments (ds_config.json decides ZeRO, offload "
         "and the 16-bit mode; Trainer checks the batch, clipping, optimizer and precision flags against it):",
@@ -184,7 +188,7 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         "while loading):",
         "",
         "```python",
-        f"model = AutoModelForCausalLM.from_pretrained({document['model']!r}, {kwargs})",
+        f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs})",
     ]
     if recipe.peft_config is not None:
         lines += ["from peft import LoraConfig, get_peft_model",

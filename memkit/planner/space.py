@@ -207,7 +207,8 @@ def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
 def layouts(request: Request) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) with dp dividing the global batch and, under a pipeline, at least pp
     micro-batches per step (1F1B); never tp > 1 with pp > 1 (the runner cannot combine them).
-    MemkitError when none meets the batch."""
+    MemkitError when none meets the batch, or (tp/pp unpinned) when data parallelism over every
+    GPU does not: batch arithmetic alone is no reason to split the model."""
     num_gpus = request.hardware.num_gpus
     tps, pps = _split_degrees(request)
     tps = [request.tp] if request.tp is not None else tps
@@ -218,13 +219,14 @@ def layouts(request: Request) -> list[tuple[int, int, int]]:
             if request.global_batch_size % dp == 0 and request.global_batch_size // dp >= p]
     if not good:
         raise MemkitError(_batch_message(request.global_batch_size, sorted({dp for _, _, dp in every})))
-    if request.split == "if-needed" and (1, 1, num_gpus) in every and (1, 1, num_gpus) not in good:
+    unpinned = request.tp is None and request.pp is None
+    if unpinned and (1, 1, num_gpus) not in good:
         # A model split is for memory or speed, not to make the batch arithmetic work behind the
-        # user's back: say so, and how to allow it.
+        # user's back: say which global batches data parallelism meets, and how to split on purpose.
         others = sorted({dp for _, _, dp in good})
         raise MemkitError(_batch_message(request.global_batch_size, [num_gpus])
-                          + f"; or allow a model split with --tp auto / --pp auto (data-parallel "
-                            f"degrees {', '.join(map(str, others))})")
+                          + (f"; or split the model on purpose with --tp N / --pp N (data-parallel "
+                             f"degrees {', '.join(map(str, others))})" if others else ""))
     return good
 
 

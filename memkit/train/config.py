@@ -266,7 +266,7 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
         raise MemkitError(f"--save-every {save_every} with {what}: {SPLIT_LIMITS}; drop --save-every")
     spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
                             config_path=str(config_path))
-    hardware = PlanDocument(plan_doc or {"plan": plan.to_dict()}).hardware()
+    hardware = PlanDocument({**(plan_doc or {}), "plan": plan.to_dict()}).hardware()
     validate_parallel(spec, plan, hardware)  # the model and the machines the plan was made for
     if env is None:
         return

@@ -161,11 +161,16 @@ def test_impossible_global_batch_lists_nearby_achievable_ones():
     assert type(info.value) is MemkitError and info.value.exit_code == 2
 
 
-def test_tp_auto_can_meet_a_batch_that_pure_data_parallel_cannot():
-    result = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, split="auto"))
-    plan = result.chosen.plan
-    assert plan.dp in (1, 2, 4) and plan.global_batch_size == 4
-    assert any("not divisible by 8 GPUs" in n for n in result.notes)
+def test_batch_arithmetic_alone_never_picks_a_split():
+    # Issue #8: a batch of 4 on 8 GPUs used to be met by a tp/pp split (which cannot checkpoint);
+    # now the planner names the global batches data parallelism meets, and a pinned split still works.
+    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*nearby "
+                                          r"achievable global batches: 8; or split the model on purpose with "
+                                          r"--tp N / --pp N \(data-parallel degrees 1, 2, 4\)"):
+        search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, split="auto"))
+    pinned = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, tp=2))
+    assert (pinned.chosen.plan.tp, pinned.chosen.plan.dp, pinned.chosen.plan.global_batch_size) == (2, 4, 4)
+    assert any("not divisible by 8 GPUs" in n for n in pinned.notes)
 
 
 @pytest.mark.parametrize("pins, message", [

@@ -12,6 +12,7 @@ from memkit.cli.main import main
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.planner import NoPlanFits, Request, search
+from memkit.planner.search import STEP_TIME_UNCERTAINTY
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
@@ -60,8 +61,10 @@ def test_if_needed_keeps_data_parallel_when_it_fits_and_auto_splits_when_faster(
     auto = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="auto"))
     assert auto.chosen.plan.tp == 2 and auto.chosen.speed.step_time_s < default.chosen.speed.step_time_s
     ratio = default.chosen.speed.step_time_s / auto.chosen.speed.step_time_s
+    assert ratio > 1 + STEP_TIME_UNCERTAINTY
     assert auto.split_reason.startswith(f"tensor parallel 2 (DeepSpeed AutoTP): {ratio:.2f}x faster than the best "
                                         f"data-parallel plan ({default.chosen.label}, ")
+    assert f"more than its {STEP_TIME_UNCERTAINTY:.0%} uncertainty" in auto.split_reason
     assert "it saves offload traffic over PCIe" in auto.split_reason
 
 
@@ -76,10 +79,11 @@ def test_pinned_split_says_so():
     assert result.split_reason == "pipeline parallel 2 (torch.distributed.pipelining, 1F1B): pinned by --pp 2"
 
 
-def test_if_needed_does_not_split_to_fix_the_batch_arithmetic():
-    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*; or allow a "
-                                          r"model split with --tp auto / --pp auto \(data-parallel degrees 1, 2, 4\)"):
-        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024, split="if-needed"))
+@pytest.mark.parametrize("split", ["if-needed", "auto"])
+def test_no_split_mode_splits_to_fix_the_batch_arithmetic(split):
+    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*; or split the "
+                                          r"model on purpose with --tp N / --pp N \(data-parallel degrees 1, 2, 4\)"):
+        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024, split=split))
 
 
 # ---- what is offered: only what the runner runs ----------------------------------------------------
