@@ -163,6 +163,22 @@ def _same(knob: str, plan_value, file_value) -> bool:
     return plan_value == file_value
 
 
+def check_flags(plan: TrainingPlan, flags: dict) -> None:
+    """MemkitError (one line) for the first plan flag given that contradicts plan.json: the plan
+    is what was estimated. None values are flags not given."""
+    for knob, value in flags.items():
+        if value is None:
+            continue
+        if knob not in PLAN_FLAGS:
+            raise ValueError(f"not a plan flag: {knob}")
+        if knob == "lora_targets":
+            value = tuple(value)
+        if not _same(knob, getattr(plan, knob), value):
+            shown = ",".join(value) if knob == "lora_targets" else value
+            raise MemkitError(f"--{knob.replace('_', '-')} {shown} contradicts plan.json "
+                              f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+
+
 def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | None, world_size: int,
                  distributed_type: str, config_file_hint: str = "the DeepSpeed file") -> TrainingPlan:
     """The plan this run executes, with every source agreeing.
@@ -179,10 +195,7 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
     if "lora_targets" in flags:
         flags["lora_targets"] = tuple(flags["lora_targets"])
     if plan is not None:
-        for knob, value in flags.items():
-            if not _same(knob, getattr(plan, knob), value):
-                raise MemkitError(f"--{knob.replace('_', '-')} {value} contradicts plan.json "
-                                  f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+        check_flags(plan, flags)
         result = plan
     else:
         result = TrainingPlan(**flags)
