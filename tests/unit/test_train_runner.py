@@ -307,10 +307,13 @@ def test_prepare_returns_a_typed_run_description(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", "llama-3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path),
+    # An alias and a hub id resolve as they do for suggest (memkit.spec.resolve, the one resolver).
+    args = parser.parse_args(["--model", "llama3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path),
                               "--seq-len", "64", "--micro-batch-size", "2"])
     prepared = prepare(args, launched=False)
     assert isinstance(prepared, Prepared) and prepared.plan is None
     assert prepared.source.name == "llama-3.2-1b" and prepared.source.hub_id == "meta-llama/Llama-3.2-1B"
     assert prepared.flags["micro_batch_size"] == 2 and prepared.flags["seq_len"] == 64
     assert prepared.model_config.vocab_size == 128256
+    args.model = "meta-llama/Llama-3.2-1B"
+    assert prepare(args, launched=False).source.config_path == prepared.source.config_path
