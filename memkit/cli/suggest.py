@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
-                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split when nothing "
-                           "fits otherwise or when the step-time model says the split is faster")
+                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
+                           "fits otherwise or the step-time model prices the split faster by more than its "
+                           "uncertainty (split runs cannot checkpoint or resume yet)")
     pins.add_argument("--pp", default=None,
                       help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",

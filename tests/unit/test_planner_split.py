@@ -1,7 +1,7 @@
 """Model splits in the planner and the runner's plan checks: tp/pp are offered only as the runner
-runs them (memkit.train.parallel.validate_parallel), chosen when and only when nothing fits
-without them (default) or the step-time model says they are faster (--tp/--pp auto), explained
-in one line; bad split requests are one line, exit 2."""
+runs them (memkit.parallel.validate_parallel), chosen when and only when nothing fits
+without them or the step-time model says they are faster by more than its stated uncertainty
+(never for batch arithmetic), explained in one line; bad split requests are one line, exit 2."""
 from __future__ import annotations
 
 import json
