@@ -30,8 +30,9 @@ step, and evaluation / checkpoint saving add short spikes. 10% of an 80 GB card 
 
 OBJECTIVES = ("throughput", "memory")
 SPLIT_MODES = ("if-needed", "auto")
-"""When unpinned tp/pp > 1 are considered: 'if-needed' only when no data-parallel plan of the
-tier fits (or meets the batch); 'auto' always, competing with data-parallel plans on speed."""
+"""When unpinned tp/pp > 1 are chosen: 'if-needed' only when no data-parallel plan of the tier
+fits; 'auto' also when faster than the best data-parallel plan by more than the step-time
+model's uncertainty (planner.search.STEP_TIME_UNCERTAINTY). Never to meet the batch arithmetic."""
 
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -71,7 +72,7 @@ class Request:
     number of layers."""
     split: str = "auto"
     """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
-    'auto' (also when the step-time model says a split is faster). SPLIT_MODES."""
+    'auto' (also when the step-time model says a split is clearly faster). SPLIT_MODES."""
 
     @property
     def budget_bytes(self) -> int:
