@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from memkit.cli.render import format_table
-from memkit.errors import MemkitError
 from memkit.units import GIB
 
 HELP = "print a plan.json written by `memkit suggest --out` (optionally re-estimate it)"

@@ -1,6 +1,7 @@
-"""Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json and README.md.
+"""Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json, README.md and, for LoRA
+plans, adapter_config.json (the peft config a Trainer script loads).
 
-The only emitter that touches disk. `bundle_files` builds the texts (pure, used by the presets
+The only emitter that writes to disk (plan_doc.read is the one that reads plan.json). `bundle_files` builds the texts (pure, used by the presets
 generator and its staleness test); `write_bundle` writes them. Plans that do not run under
 DeepSpeed (pipeline parallel) have no ds_config.json: their accelerate.yaml is a plain
 multi-process launch and plan.json's "engines" says what runs each split.

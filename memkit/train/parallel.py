@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 from functools import lru_cache
-from dataclasses import dataclass
 from typing import Any
 
 from memkit.emit.deepspeed import batch_fields
