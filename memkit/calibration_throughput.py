@@ -176,6 +176,11 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     hw_kw = {}
     if record.get("inter_node_gbps_per_gpu"):
         hw_kw["inter_node_gbps"] = float(record["inter_node_gbps_per_gpu"])
+    elif gpu.arch == "hopper" and n > per_node:
+        # Unstated H100 network: the DGX H100 reference design, one 400 Gb/s ConnectX-7 per GPU
+        # (NVIDIA DGX H100 User Guide, "Hardware Overview") = 50 GB/s per GPU.
+        hw_kw["inter_node_gbps"] = 50.0
+        approx.append("inter-node bandwidth unstated: DGX H100 400 Gb/s per GPU assumed")
     hardware = Hardware(gpu=gpu, num_gpus_per_node=min(per_node, n), num_nodes=max(1, n // per_node), **hw_kw)
     return plans, hardware
 

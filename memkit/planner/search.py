@@ -182,6 +182,8 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
             if i > 0:
                 notes.append(f"no {tier_list[0].name}-tier plan (AdamW, mixed precision or fp32) fits; "
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
+            found, risk_note = _prefer_low_risk(request, found)
+            notes += [risk_note] if risk_note else []
             chosen = found[0]
             alternatives = _distinct(found[1:], chosen, num_alternatives)
             # Rejected plans that would have been faster: the "why not X?" the CLI answers.
@@ -196,6 +198,42 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
                                 num_memory_estimates=ev.num_calls, split_reason=reason)
         all_rejected += tier_rejected
     raise _no_fit(request, ev, all_rejected)
+
+
+HEADROOM_RISK_FRACTION = 0.05
+"""Headroom below this share of device memory counts as a risk: it is the memory estimator's stated
+tolerance (tests/unit/test_parallel_memory.py checks per-rank peaks to 5 %)."""
+
+
+def _risk(request: Request, cand: Candidate) -> tuple[int, int, int]:
+    """(offloads, model split, tight headroom): what can go wrong beyond the predicted speed."""
+    p = cand.plan
+    offload = (p.offload_optimizer != "none") + (p.offload_params != "none")
+    headroom = request.hardware.gpu.memory_bytes - device_peak_bytes(cand.memory)
+    return (offload, int(p.tp > 1 or p.pp > 1),
+            int(headroom < HEADROOM_RISK_FRACTION * request.hardware.gpu.memory_bytes))
+
+
+def _prefer_low_risk(request: Request, found: list[Candidate]) -> tuple[list[Candidate], str]:
+    """Among plans predicted within the step-time model's uncertainty of the fastest, put the
+    lowest-risk one first (no offload, then no split, then headroom); say so when that changes the
+    pick. The uncertainty is measured: benchmarks/throughput_accuracy.py's p75 error."""
+    if request.objective != "throughput" or len(found) < 2:
+        return found, ""
+    from memkit.estimate.throughput import step_time_uncertainty
+
+    u = step_time_uncertainty()
+    fastest = found[0]
+    close = [c for c in found if c.speed.step_time_s <= fastest.speed.step_time_s * (1 + u)]
+    pick = min(close, key=lambda c: (_risk(request, c), c.speed.step_time_s))
+    if pick is fastest or _risk(request, pick) == _risk(request, fastest):
+        return found, ""
+    words = [w for w, a, b in zip(("no offload", "no model split", "more memory headroom"),
+                                  _risk(request, pick), _risk(request, fastest)) if a < b]
+    note = (f"chose {pick.label} ({pick.speed.step_time_s:.2f} s/step) over the predicted-fastest "
+            f"{fastest.label} ({fastest.speed.step_time_s:.2f} s/step): within the step-time model's "
+            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(words)})")
+    return [pick] + [c for c in found if c is not pick], note
 
 
 def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):
