@@ -270,21 +270,49 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) 
 
 # ---- communication ----------------------------------------------------------------------------
 
-def _ring_time_s(num_bytes: float, num_ranks: int, bus_gbps: float, *, allreduce: bool) -> float:
-    """Ring collective time: all-reduce moves 2(n-1)/n of the buffer per rank, reduce-scatter and
-    all-gather (n-1)/n (Patarasuk & Yuan 2009; nccl-tests 'busbw' uses the same factors)."""
+NCCL_BASE_LATENCY_S = 8.4e-6
+NCCL_HOP_LATENCY_S = {"nvlink": 5.7e-6, "pci": 5.7e-6, "net": 6.6e-6}
+"""NCCL's own cost model for ring collectives with the Simple protocol (large messages): a base
+latency plus one per ring step (n-1 steps for all-gather / reduce-scatter, 2(n-1) for all-reduce);
+NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat tables (Ring / Simple)."""
+
+OVERLAP_COMPUTE_COST = 0.15
+"""Share of an overlapped collective's duration the concurrent compute still loses: NCCL runs one
+thread block per channel on its own SM for the whole collective (NVIDIA/nccl src/device/; ~16
+channels on 8-GPU NVLink + InfiniBand nodes, src/graph/search.cc) of an A100's 108 SMs, ~15 %,
+and competes for HBM (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in Distributed
+Deep Learning Training Platforms", ISCA, Sec. 3)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    gbps: float
+    kind: str
+    """nvlink | pci | net: which NCCL hop latency applies."""
+
+
+def _ring_time_s(num_bytes: float, num_ranks: int, link: _Link, *, allreduce: bool, count: float = 1) -> float:
+    """`count` ring collectives moving `num_bytes` in all: bandwidth term (all-reduce moves 2(n-1)/n
+    of the buffer per rank, reduce-scatter and all-gather (n-1)/n: Patarasuk & Yuan 2009; nccl-tests
+    'busbw') plus NCCL's latency per collective."""
     if num_ranks <= 1 or num_bytes <= 0:
         return 0.0
-    factor = (2.0 if allreduce else 1.0) * (num_ranks - 1) / num_ranks
-    return num_bytes * factor / (bus_gbps * GB)
+    steps = (2 if allreduce else 1) * (num_ranks - 1)
+    latency = NCCL_BASE_LATENCY_S + steps * NCCL_HOP_LATENCY_S[link.kind]
+    return num_bytes * steps / num_ranks / (link.gbps * GB) + max(1.0, count) * latency
 
 
-def _dp_bandwidth(plan: TrainingPlan, hardware: Hardware) -> float:
+def _intra_link(gpu: GPU) -> _Link:
+    # PCIe-only cards: the catalog's intra-node bandwidth is a PCIe figure (presets/gpus.json _about).
+    return _Link(gpu.intra_node_gbps, "pci" if gpu.intra_node_gbps <= 25 else "nvlink")
+
+
+def _dp_link(plan: TrainingPlan, hardware: Hardware) -> _Link:
     """DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron);
     otherwise the ring crosses the network at the per-GPU NIC bandwidth."""
     if hardware.num_nodes == 1 or plan.tp * plan.dp <= hardware.num_gpus_per_node:
-        return hardware.gpu.intra_node_gbps
-    return min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps)
+        return _intra_link(hardware.gpu)
+    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps), "net")
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,17 +328,23 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     dp = plan.dp
     if dp <= 1:
         return _Comm()
-    bw = _dp_bandwidth(plan, hardware)
+    link = _dp_link(plan, hardware)
     shard = plan.tp * plan.pp
+    layers = model.total_layers / plan.pp
     n_local = model.num_params / shard
     trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
     e = 4 if plan.precision == "fp32" else 2   # grads and gathered params in the training dtype
     grads, params = trainable * e, n_local * e
-    ag = _ring_time_s(params, dp, bw, allreduce=False)
-    rs = _ring_time_s(grads, dp, bw, allreduce=False)
-    ar = _ring_time_s(grads, dp, bw, allreduce=True)
-    one_layer = ag / max(1, model.total_layers)   # the first gather of a pass cannot be prefetched
-    ag_after_step = _ring_time_s(trainable * e, dp, bw, allreduce=False)
+    # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
+    # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
+    ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
+    rs3 = _ring_time_s(grads, dp, link, allreduce=False, count=layers)
+    rs = _ring_time_s(grads, dp, link, allreduce=False, count=grads / e / plan.reduce_bucket_size)
+    ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / (e * plan.reduce_bucket_size))
+    ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
+    one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
+    ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
+                                 count=trainable / plan.allgather_bucket_size)
     stage, torch_engine = plan.zero_stage, plan.engine == "torch"
     if stage == 3:
         # Params gathered for forward and again for backward, grads reduce-scattered, every micro-step
@@ -319,20 +353,21 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
         # DeepSpeed reduces on a side stream only with overlap_comm (its default for stage 3,
         # runtime/zero/config.py overlap_comm_valid).
         overlap_rs = torch_engine or plan.overlap_comm
-        bwd_comm = ag + (rs if overlap_rs else 0.0)
-        exposed = max(0.0, ag - fwd_s) + max(0.0, bwd_comm - bwd_s) + 2 * one_layer + (0.0 if overlap_rs else rs)
+        bwd_comm = ag + (rs3 if overlap_rs else 0.0)
+        exposed = (_overlapped(ag, fwd_s) + _overlapped(bwd_comm, bwd_s) + 2 * one_layer
+                   + (0.0 if overlap_rs else rs3))
         return _Comm(micro_s=exposed)
     if torch_engine:
         if stage == 2:
             # FSDP SHARD_GRAD_OP: params gathered once per micro-step forward and kept for backward;
             # grads reduce-scattered during backward.
-            return _Comm(micro_s=max(0.0, ag - fwd_s) + one_layer + max(0.0, rs - bwd_s))
+            return _Comm(micro_s=_overlapped(ag, fwd_s) + one_layer + _overlapped(rs3, bwd_s))
         # DDP: bucketed all-reduce overlapped with the last micro-step's backward (no_sync before
         # it); the last bucket is always exposed (Li et al. 2020, Sec. 3.2.3).
-        last_bucket = _ring_time_s(min(grads, DDP_BUCKET_BYTES), dp, bw, allreduce=True)
+        last_bucket = _ring_time_s(min(grads, DDP_BUCKET_BYTES), dp, link, allreduce=True)
         if stage == 1:
-            return _Comm(boundary_s=max(0.0, rs - bwd_s) + last_bucket + ag_after_step)
-        return _Comm(boundary_s=max(0.0, ar - bwd_s) + last_bucket)
+            return _Comm(boundary_s=_overlapped(rs, bwd_s) + last_bucket + ag_after_step)
+        return _Comm(boundary_s=_overlapped(ddp_ar, bwd_s) + last_bucket)
     # DeepSpeed engine (runtime/zero/stage_1_and_2.py).
     if stage == 0:
         # engine.allreduce_gradients() runs after backward at the boundary: nothing hides it.
@@ -341,12 +376,18 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
         # reduce_gradients() at the accumulation boundary only (is_gradient_accumulation_boundary),
         # on the reduction stream with overlap_comm (default off for stages 1-2), then the updated
         # 16-bit partitions are all-gathered (Sec. 7.2.1: 2 Psi per step).
-        exposed_rs = max(0.0, rs - bwd_s) if plan.overlap_comm else rs
+        exposed_rs = _overlapped(rs, bwd_s) if plan.overlap_comm else rs
         return _Comm(boundary_s=exposed_rs + ag_after_step)
     # Stage 2: partition_gradients -> every micro-step's backward hooks reduce the ipg buckets; on
     # the compute stream (exposed) unless overlap_comm puts them on the reduction stream.
-    micro = max(0.0, rs - bwd_s) if plan.overlap_comm else rs
+    micro = _overlapped(rs, bwd_s) if plan.overlap_comm else rs
     return _Comm(micro_s=micro, boundary_s=ag_after_step)
+
+
+def _overlapped(comm_s: float, window_s: float) -> float:
+    """Time an overlapped collective adds: what sticks out of the compute window, plus what the
+    compute loses to it while both run (OVERLAP_COMPUTE_COST)."""
+    return max(0.0, comm_s - window_s) + OVERLAP_COMPUTE_COST * min(comm_s, window_s)
 
 
 def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float) -> _Comm:
@@ -397,8 +438,8 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
     if plan.tp > 1:
         act = tokens * model.hidden_size * _elt(plan)
         per_block = 4 + (2 if plan.checkpointing == "full" else 0)
-        tp_bw = gpu.intra_node_gbps if plan.tp <= hardware.num_gpus_per_node else hardware.inter_node_gbps
-        t_tp = model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_bw, allreduce=True)
+        tp_link = _intra_link(gpu) if plan.tp <= hardware.num_gpus_per_node else _Link(hardware.inter_node_gbps, "net")
+        t_tp = model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
 
     # Pipeline: activations forward and their gradients backward at each stage boundary; the
     # 1F1B / GPipe bubble idles (p-1)/(m+p-1) of the time (Narayanan et al. 2021, Sec. 2.2).
