@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--rows", action="store_true", help="print every record's prediction")
     ap.add_argument("--write-uncertainty", action="store_true")
+    ap.add_argument("--by-gpu", action="store_true", help="also break the figures down by GPU")
     args = ap.parse_args(argv)
     records = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     outcomes = [score(map_record(r, configs_dir=ROOT / "benchmarks" / "calibration_configs")) for r in records]
@@ -49,13 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.case_id:42} meas {c.measured_tps_per_gpu:10.1f} pred {o.predicted_tps_per_gpu:10.1f} {err}"
                   f"  mfu {o.estimate.mfu:.3f}  {c.summary}  [{comp}]")
     table = summarize(outcomes)
-    print(f"{'source':38} {'n':>4} {'scored':>6} {'med|e|':>7} {'signed':>7} {'<=20%':>6} {'p75|e|':>7}"
-          f" {'pairs':>6} {'conc':>6} {'tau':>6}")
-    for name in sorted(table, key=lambda k: (k == "ALL", k)):
-        s = table[name]
-        print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
-              f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
-              f"{s['pairs']:6d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
+    _print_table(table)
+    if args.by_gpu:
+        print()
+        _print_table(summarize(outcomes, key=lambda c: c.hardware.gpu.name if c.hardware else "(skipped)"),
+                     title="gpu")
     if args.write_uncertainty:
         path = presets_dir() / "step_time_uncertainty.json"
         doc = {"_about": "Written by benchmarks/throughput_accuracy.py --write-uncertainty: the p75 of "
@@ -68,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}")
     return 0
+
+
+def _print_table(table: dict, *, title: str = "source") -> None:
+    print(f"{title:38} {'n':>4} {'scored':>6} {'med|e|':>7} {'signed':>7} {'<=20%':>6} {'p75|e|':>7}"
+          f" {'pairs':>6} {'conc':>6} {'tau':>6}")
+    for name in sorted(table, key=lambda k: (k == "ALL", k)):
+        s = table[name]
+        print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
+              f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
+              f"{s['pairs']:6d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
 
 
 if __name__ == "__main__":

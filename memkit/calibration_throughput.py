@@ -250,12 +250,12 @@ def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int]:
     return conc, disc
 
 
-def summarize(outcomes: list[ThroughputOutcome]) -> dict[str, dict[str, float]]:
-    """Per source and overall: n, median |err| %, signed mean %, share within +-20 %, p75 |err| %,
-    Kendall tau (pooled over groups, ties dropped) and share of concordant pairs."""
+def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:
+    """Per source (or per `key(case)`) and overall: n, median |err| %, signed mean %, share within
+    +-20 %, p75 |err| %, Kendall tau (pooled over groups, ties dropped) and share of concordant pairs."""
     by: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
-        by.setdefault(o.case.source_id, []).append(o)
+        by.setdefault(key(o.case) if key else o.case.source_id, []).append(o)
         by.setdefault("ALL", []).append(o)
     out = {}
     for name, rows in by.items():

@@ -62,9 +62,15 @@ NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
 al. 2021, Sec. 6.2) stripes several for more."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 20, "sgd": 12}
-"""HBM bytes the optimizer step reads+writes per trainable parameter (Adam: fp32 master, m, v
-read and written, grad read, 16-bit copy written); memory-bound (roofline)."""
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 68, "sgd": 12}
+"""HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
+AdamW (fused / foreach): fp32 param, grad, m, v read (16) and param, m, v written (12) + the
+16-bit copy (4 with its read). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
+and v read and written (4), param written (2 for its 16-bit copy). Adafactor
+(transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
+the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
+and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
+momentum: param, grad, buffer read, param and buffer written (12 with the copy)."""
 
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
 """DeepSpeed ZeRO-3 only: its pre/post forward and backward hooks on each of a block's ~10
@@ -150,6 +156,18 @@ class _Pass:
 
     def scaled(self, k: float) -> "_Pass":
         return _Pass(self.fwd_s * k, self.bwd_s * k, int(self.num_ops * k))
+
+
+def _amp_fp32_weights(plan: TrainingPlan) -> bool:
+    """torch autocast with DDP / one GPU keeps fp32 parameters and gradients (torch.amp: autocast
+    casts weights per op, AccumulateGrad writes the param's dtype); DeepSpeed's fp16/bf16 engine
+    and FSDP MixedPrecision hold 16-bit copies instead."""
+    return plan.engine == "torch" and plan.is_mixed and plan.zero_stage < 2
+
+
+def _grad_bytes(plan: TrainingPlan) -> int:
+    """Bytes per gradient element as it is reduced: the training dtype, fp32 under torch AMP."""
+    return 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
 
 
 def _elt(plan: TrainingPlan) -> int:
@@ -265,6 +283,15 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) 
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
     recompute = fwd_only.fwd_s / plan.pp if plan.checkpointing == "full" else 0.0
+    if _amp_fp32_weights(plan):
+        # autocast re-casts every fp32 weight to 16 bits in each forward (4 B read + 2 B written;
+        # its cast cache lives for one autocast region, so the recompute casts again), and
+        # AccumulateGrad adds each 16-bit weight gradient into the fp32 .grad (2 + 4 read, 4 written).
+        n = matmul_params(model) / (plan.tp * plan.pp)
+        trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
+        cast = kernels.memory_time_s(gpu, 6 * n)
+        total = total + _Pass(cast, kernels.memory_time_s(gpu, 10 * trainable), 0)
+        recompute += cast if plan.checkpointing == "full" else 0.0
     return total, recompute
 
 
@@ -333,7 +360,7 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     layers = model.total_layers / plan.pp
     n_local = model.num_params / shard
     trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
-    e = 4 if plan.precision == "fp32" else 2   # grads and gathered params in the training dtype
+    e = _grad_bytes(plan)
     grads, params = trainable * e, n_local * e
     # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
     # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
