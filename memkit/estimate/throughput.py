@@ -72,6 +72,15 @@ the factored approximation materialised, times grad, its RMS, the clip division,
 and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
 momentum: param, grad, buffer read, param and buffer written (12 with the copy)."""
 
+OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0, "sgd": 0, "adamw-8bit": 3, "adafactor": 15}
+"""Python-issued ops per parameter tensor in the optimizer step, where the implementation loops
+over tensors: torch AdamW/SGD use the multi-tensor (foreach) path by default on CUDA
+(torch/optim/adamw.py _multi_tensor_adamw), a few launches in all; bitsandbytes AdamW8bit calls
+one fused kernel per tensor plus state bookkeeping (bitsandbytes/optim/optimizer.py
+Optimizer8bit.step -> update_step); transformers Adafactor runs ~15 tensor ops per parameter
+(transformers/optimization.py Adafactor.step: grad^2, row/col means, two lerps, rsqrt factors,
+their product, times grad, RMS, clamp, divide, lr scale, RMS of the param, update)."""
+
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
 """DeepSpeed ZeRO-3 only: its pre/post forward and backward hooks on each of a block's ~10
 parameterised submodules (~40 calls) fetch, release and track partitioned parameters in Python and
@@ -234,16 +243,21 @@ def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int)
 
 def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int) -> _Pass:
     """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
-    backward reads input and gradient and writes a gradient, about twice the forward traffic."""
+    backward reads input and gradient and writes a gradient, about twice the forward traffic.
+    The residual stream is in the parameters' dtype: fp32 under torch AMP (the embedding output is
+    fp32 and autocast runs layer_norm in fp32, torch autocast op reference), 16-bit when the model
+    itself is 16-bit (DeepSpeed fp16/bf16, FSDP MixedPrecision, bf16-pure); matmul outputs and the
+    MLP activation are 16-bit under autocast."""
     h = model.hidden_size / (plan.tp if plan.sequence_parallel else 1)
     i = model.intermediate_size / plan.tp
-    elements = (num_attn + 1) * (2 * h + 3 * h)          # a norm (r+w) and a residual add (2r+w) per sub-block
-    elements += 3 * i if model.gated_mlp else 2 * i      # act(gate) * up, or act(x)
+    residual = (num_attn + 1) * (2 * h + 3 * h)          # a norm (r+w) and a residual add (2r+w) per sub-block
     if model.hidden_dropout > 0:
-        elements += (num_attn + 1) * 2.5 * h             # dropout: r + w + 1-byte mask
+        residual += (num_attn + 1) * 2.5 * h             # dropout: r + w + 1-byte mask
+    act = 3 * i if model.gated_mlp else 2 * i            # act(gate) * up, or act(x)
     if model.position_embedding == "rope":
-        elements += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
-    fwd = kernels.memory_time_s(gpu, elements * _elt(plan) * tokens)
+        act += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
+    res_bytes = 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
+    fwd = kernels.memory_time_s(gpu, (residual * res_bytes + act * _elt(plan)) * tokens)
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
@@ -442,6 +456,22 @@ def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: fl
     return _Comm(micro_s=micro, boundary_s=step)
 
 
+def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
+    """Trainable parameter tensors this GPU steps: weights (+ biases) of each block's linears, the
+    norms' weights (+ biases), embeddings and head; two per adapted linear under LoRA."""
+    total = 0
+    for linears, layers in ((model.layer_linears, model.num_layers),
+                            (model.encoder_layer_linears, model.num_encoder_layers)):
+        if plan.is_lora:
+            per_block = 2 * sum(lin.name in plan.lora_targets for lin in linears)
+        else:
+            norms = max(1, sum(lin.role in ("o", "attn_out") for lin in linears)) + 1
+            per_block = (sum(1 + lin.bias for lin in linears)
+                         + norms * (2 if model.norm_type == "layernorm" else 1))
+        total += layers * per_block
+    return total // plan.pp + (0 if plan.is_lora else 3)
+
+
 # ---- the step -----------------------------------------------------------------------------------
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> StepTimeEstimate:
@@ -488,6 +518,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
                      else model.num_params) / (plan.tp * plan.pp)
         partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
         t_opt = kernels.memory_time_s(gpu, partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer])
+        if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
+            t_opt = max(t_opt, _param_tensors(model, plan) * OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+                        * OP_DISPATCH_S)
 
     step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)

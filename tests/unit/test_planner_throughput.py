@@ -181,3 +181,14 @@ def test_zero1_ranks_above_zero2_with_accumulation_and_no_overlap():
     z1 = estimate_step_time(LLAMA8B, plan.with_(zero_stage=1), A100x8).step_time_s
     z2 = estimate_step_time(LLAMA8B, plan.with_(zero_stage=2), A100x8).step_time_s
     assert z1 < z2
+
+
+def test_python_looped_optimizers_pay_per_tensor_dispatch():
+    # llama: 7 bias-free linears + 2 RMSNorm weights per block, + embedding, final norm, head.
+    assert tp_model._param_tensors(LLAMA8B, TrainingPlan()) == 32 * 9 + 3
+    assert tp_model._param_tensors(LLAMA8B, TrainingPlan(lora_rank=8, lora_targets=("q_proj", "v_proj"))) == 32 * 4
+    one = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", micro_batch_size=1, seq_len=512)
+    ada = estimate_step_time(LLAMA8B, plan.with_(optimizer="adafactor"), one).components_s["optimizer_step"]
+    gpu_bytes = kernels.memory_time_s(A100, LLAMA8B.num_params * 68)
+    assert ada == pytest.approx(max(gpu_bytes, 291 * 15 * tp_model.OP_DISPATCH_S))
