@@ -192,3 +192,58 @@ def test_python_looped_optimizers_pay_per_tensor_dispatch():
     ada = estimate_step_time(LLAMA8B, plan.with_(optimizer="adafactor"), one).components_s["optimizer_step"]
     gpu_bytes = kernels.memory_time_s(A100, LLAMA8B.num_params * 68)
     assert ada == pytest.approx(max(gpu_bytes, 291 * 15 * tp_model.OP_DISPATCH_S))
+
+
+def test_cpu_offload_prices_pcie_both_ways_and_cpu_adam():
+    plan = TrainingPlan(zero_stage=2, dp=8, micro_batch_size=4, grad_accum=1, seq_len=4096, overlap_comm=True)
+    fast = estimate_step_time(LLAMA8B, plan, A100x8)
+    slow = estimate_step_time(LLAMA8B, plan.with_(offload_optimizer="cpu"), A100x8)
+    partition = LLAMA8B.num_params / 8
+    # updated 16-bit params back over PCIe after the step + CPU-Adam over the node's DRAM bandwidth
+    # shared by its 8 ranks (the grad copies hide under this backward)
+    step = partition * 2 / 24e9 + partition * tp_model.CPU_ADAM_BYTES_PER_PARAM / (100e9 / 8)
+    assert slow.components_s["offload_transfer"] == pytest.approx(step)
+    assert slow.components_s["optimizer_step"] == 0 and fast.components_s["optimizer_step"] > 0
+    assert slow.step_time_s > fast.step_time_s
+
+
+def test_eager_attention_moves_the_score_matrix_through_hbm():
+    bert = load_model_spec("bert-large-uncased")
+    plan = TrainingPlan(precision="fp16", attention="eager", micro_batch_size=4, seq_len=512, engine="torch")
+    v100 = find_gpu("v100-16gb")
+    att = tp_model._attention_pass(v100, plan, bert, 4 * 512)
+    bh, s, q = 4 * 16, 512, 64
+    gemms = (kernels.gemm_time_s(v100, "fp16", s, s, q, batch=bh) + kernels.gemm_time_s(v100, "fp16", s, q, s, batch=bh))
+    # per score: matmul write 2, scale/mask 4, softmax 2 + 4 (fp32 out), dropout 8 + 1, cast 4 + 2
+    per_score = 2 + 4 + 6 + 9 + 6
+    assert att.fwd_s == pytest.approx(gemms + kernels.memory_time_s(v100, per_score * bh * s * s))
+    assert att.bwd_s == pytest.approx(2 * att.fwd_s)
+    flash = tp_model._attention_pass(A100, plan.with_(precision="bf16", attention="flash"), bert, 4 * 512)
+    assert flash.fwd_s == pytest.approx(4.0 * 2048 * 512 * 16 * 64 / (312e12 * 0.5))
+
+
+def test_tensor_parallel_allreduces_per_block():
+    plan = TrainingPlan(zero_stage=1, tp=2, dp=4, micro_batch_size=1, seq_len=2048, tp_engine="autotp")
+    tp = estimate_step_time(LLAMA8B, plan, A100x8).components_s["tp_comm"]
+    act = 2048 * 4096 * 2
+    one = act * 2 * 1 / 2 / 230e9 + (8.4e-6 + 2 * 5.7e-6)       # ring all-reduce over 2 ranks
+    assert tp == pytest.approx(32 * 4 * one)                   # 2 forward + 2 backward per block
+    ckpt = estimate_step_time(LLAMA8B, plan.with_(checkpointing="full"), A100x8).components_s["tp_comm"]
+    assert ckpt == pytest.approx(32 * 6 * one)                 # the recompute repeats the forward two
+
+
+def test_estimate_cli_prints_and_emits_the_step_time(capsys):
+    import json
+
+    from memkit.cli.main import main
+    args = ["estimate", "--model", "llama-3.2-1b", "--gpu", "a100-80gb", "--num-gpus", "2", "--zero", "2",
+            "--micro-batch-size", "2", "--seq-len", "1024"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    st = doc["step_time"]
+    assert set(st) >= {"step_time_s", "tokens_per_s", "mfu", "components_s"}
+    assert sum(st["components_s"].values()) == pytest.approx(st["step_time_s"])
+    assert st["tokens_per_s"] == pytest.approx(2 * 2 * 1024 / st["step_time_s"])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"{st['step_time_s']:.3f} s/step" in text and "compute" in text
