@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(table: dict, *, title: str = "source") -> None:
     print(f"{title:38} {'n':>4} {'scored':>6} {'med|e|':>7} {'signed':>7} {'<=20%':>6} {'p75|e|':>7}"
-          f" {'pairs':>6} {'conc':>6} {'tau':>6}")
+          f" {'pairs':>6} {'tied':>5} {'conc':>6} {'tau':>6}")
     for name in sorted(table, key=lambda k: (k == "ALL", k)):
         s = table[name]
         print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
               f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
-              f"{s['pairs']:6d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
+              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
 
 
 if __name__ == "__main__":

@@ -229,13 +229,14 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     return ThroughputOutcome(case=case, predicted_tps_per_gpu=predicted, error_pct=err, estimate=ests[0])
 
 
-def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int]:
-    """(concordant, discordant) pairs within each group; measured ties are not counted."""
+def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
+    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
+    measured figures are not counted."""
     groups: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
         if o.predicted_tps_per_gpu is not None:
             groups.setdefault(o.case.group, []).append(o)
-    conc = disc = 0
+    conc = disc = ties = 0
     for rows in groups.values():
         for i, a in enumerate(rows):
             for b in rows[i + 1:]:
@@ -243,16 +244,19 @@ def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int]:
                 dp = a.predicted_tps_per_gpu - b.predicted_tps_per_gpu
                 if dm == 0:
                     continue
-                if dm * dp > 0:
+                if abs(dp) <= 1e-9 * max(a.predicted_tps_per_gpu, b.predicted_tps_per_gpu):
+                    ties += 1
+                elif dm * dp > 0:
                     conc += 1
                 else:
                     disc += 1
-    return conc, disc
+    return conc, disc, ties
 
 
 def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:
     """Per source (or per `key(case)`) and overall: n, median |err| %, signed mean %, share within
-    +-20 %, p75 |err| %, Kendall tau (pooled over groups, ties dropped) and share of concordant pairs."""
+    +-20 %, p75 |err| %, Kendall tau-a (pooled over the groups' pairs) and share of concordant pairs
+    (pairs the prediction ties count in the denominator)."""
     by: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
         by.setdefault(key(o.case) if key else o.case.source_id, []).append(o)
@@ -261,7 +265,8 @@ def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[
     for name, rows in by.items():
         errs = [o.error_pct for o in rows if o.error_pct is not None and math.isfinite(o.error_pct)]
         absd = sorted(abs(e) for e in errs)
-        conc, disc = rank_agreement(rows)
+        conc, disc, ties = rank_agreement(rows)
+        pairs = conc + disc + ties
         out[name] = {
             "n_records": len(rows), "n_scored": len(errs),
             "n_ranked": sum(o.predicted_tps_per_gpu is not None for o in rows),
@@ -269,8 +274,9 @@ def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[
             "median_abs_pct": _quantile(absd, 0.5), "p75_abs_pct": _quantile(absd, 0.75),
             "mean_signed_pct": sum(errs) / len(errs) if errs else float("nan"),
             "within_20_pct": sum(a <= 20 for a in absd) / len(absd) if absd else float("nan"),
-            "pairs": conc + disc, "concordant": conc / (conc + disc) if conc + disc else float("nan"),
-            "kendall_tau": (conc - disc) / (conc + disc) if conc + disc else float("nan"),
+            # a pair the model cannot tell apart (e.g. torch.compile on/off) is not concordant
+            "pairs": pairs, "tied": ties, "concordant": conc / pairs if pairs else float("nan"),
+            "kendall_tau": (conc - disc) / pairs if pairs else float("nan"),   # tau-a
         }
     return out
 
