@@ -15,13 +15,14 @@ GB = 1e9
 MATMUL_EFFICIENCY = {
     # 16-bit tensor-core GEMM, largest well-shaped sizes: "Maximum Achievable Matmul FLOPS" table,
     # stas00/ml-engineering compute/accelerator/README.md (A100 SXM 267.9/312 = 85.9 %, H100 SXM
-    # 792.1/989 = 80.1 %, MI300X 781.9/1300 = 60.1 %). Volta/Turing: cuBLAS HGEMM reaches ~75 % of
-    # the tensor-core peak (Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via
-    # Microbenchmarking", Sec. 4 tensor cores); Ada taken as Ampere (same SM tensor-core design).
-    "tensor": {"volta": 0.75, "turing": 0.75, "ampere": 0.859, "ada": 0.859, "hopper": 0.801, "cdna3": 0.601},
-    # fp32 SGEMM on CUDA cores (PyTorch keeps TF32 off for matmuls since 1.12,
-    # torch.backends.cuda.matmul.allow_tf32): cuBLAS SGEMM runs at ~90 % of the FMA peak (Jia et al.
-    # 2018, Sec. 4; the same paper's V100 SGEMM figure).
+    # 792.1/989 = 80.1 %, MI300X 781.9/1300 = 60.1 %). Volta: cuBLAS FP16 GEMM M=N=K=8192 on a V100
+    # reaches ~101 of 112 TFLOP/s = 90 % (NVIDIA developer forum, "Understanding IPC and issue slot
+    # utilization when using Tensor Cores", 2019); Turing taken as Volta (same tensor-core
+    # generation per SM), Ada as Ampere (same SM tensor-core design).
+    "tensor": {"volta": 0.90, "turing": 0.90, "ampere": 0.859, "ada": 0.859, "hopper": 0.801, "cdna3": 0.601},
+    # fp32 GEMM on CUDA cores (PyTorch keeps TF32 off for matmuls since 1.12,
+    # torch.backends.cuda.matmul.allow_tf32). Assumption, not a measurement: the same ~90 %
+    # best-shape share cuBLAS reaches with tensor cores on Volta.
     "fp32": {"volta": 0.90, "turing": 0.90, "ampere": 0.90, "ada": 0.90, "hopper": 0.90, "cdna3": 0.90},
 }
 
