@@ -31,8 +31,9 @@ FLASH_ATTENTION_EFFICIENCY = {"ampere": 0.50, "ada": 0.50, "hopper": 0.35, "cdna
 MFU tables count for attention (flops.py: 4·T·H·Q per token forward, twice that backward).
 Ampere: FlashAttention-2 reaches 50-73 % of the A100 peak (Dao 2023, abstract and Sec. 4.1; the
 backward is at the low end); Hopper: FlashAttention-2 "achieves only 35 % utilization" on H100
-(Shah et al. 2024, FlashAttention-3, Sec. 1). Volta/Turing have no flash kernel (FA2 needs sm80+;
-PyTorch SDPA then runs the math path), so attention there is priced as eager matmuls."""
+(Shah et al. 2024, FlashAttention-3, Sec. 1). Volta/Turing have no flash kernel (FA2 needs sm80+);
+PyTorch SDPA picks its memory-efficient kernel there, whose utilisation is not published, so
+attention there is priced as eager matmuls plus score-matrix traffic (an upper bound on time)."""
 
 HBM_EFFICIENCY = 0.85
 """Achievable share of datasheet DRAM bandwidth for streaming kernels: BabelStream on A100/V100
