@@ -205,6 +205,9 @@ def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, to
         r, e = plan.lora_rank, _elt(plan)
         fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)
                 + kernels.memory_time_s(gpu, 3 * e * m * n_out))                 # x A, (xA) B, add
+        if plan.lora_dropout > 0:   # peft LoRA Linear: dropout(x) feeds A (peft/tuners/lora/layer.py)
+            drop = kernels.memory_time_s(gpu, (2 * e + 1) * m * k_in)
+            fwd, bwd = fwd + drop, bwd + 2 * drop
         bwd += (kernels.gemm_time_s(gpu, prec, m, r, n_out) + kernels.gemm_time_s(gpu, prec, m, k_in, r)
                 + kernels.gemm_time_s(gpu, prec, r, n_out, m) + kernels.gemm_time_s(gpu, prec, k_in, r, m))
         ops += 8
