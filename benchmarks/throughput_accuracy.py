@@ -8,7 +8,7 @@ share within +-20 %, p75 |error|, and rank agreement within each same-model/same
 (Kendall tau and share of concordant pairs). Error = (predicted - measured) / measured of tokens/s
 per GPU. `--write-uncertainty` writes the overall p75 |error| to
 presets/step_time_uncertainty.json, which the planner reads as the model's stated uncertainty
-(memkit/estimate/throughput.py STEP_TIME_UNCERTAINTY).
+(memkit.estimate.throughput.step_time_uncertainty()).
 """
 from __future__ import annotations
 
