@@ -247,3 +247,21 @@ def test_estimate_cli_prints_and_emits_the_step_time(capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert f"{st['step_time_s']:.3f} s/step" in text and "compute" in text
+
+
+def test_stated_uncertainty_is_what_the_benchmark_measures():
+    import json
+    from pathlib import Path
+
+    from memkit.calibration_throughput import map_record, score, summarize
+    repo = Path(__file__).resolve().parents[2]
+    data = next((p for p in (repo.parent / "shared" / "calibration" / "published_throughput.jsonl",
+                             Path("/work/shared/calibration/published_throughput.jsonl")) if p.exists()), None)
+    if data is None:
+        pytest.skip("published_throughput.jsonl is not next to the repository")
+    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    table = summarize([score(map_record(r, configs_dir=repo / "benchmarks" / "calibration_configs"))
+                       for r in records])
+    # regenerate with: python benchmarks/throughput_accuracy.py --write-uncertainty
+    # (to within one percentage point, so unrelated estimator changes do not break it at once)
+    assert tp_model.step_time_uncertainty() == pytest.approx(table["ALL"]["p75_abs_pct"] / 100, abs=0.01)
