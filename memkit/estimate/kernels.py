@@ -35,6 +35,17 @@ backward is at the low end); Hopper: FlashAttention-2 "achieves only 35 % utiliz
 PyTorch SDPA picks its memory-efficient kernel there, whose utilisation is not published, so
 attention there is priced as eager matmuls plus score-matrix traffic (an upper bound on time)."""
 
+SUSTAINED_CLOCK_FRACTION = {"ampere": 1305 / 1410, "hopper": 702.9 / 828.0}
+"""Training is one long power-saturated run, so tensor-core kernels run at the clock the GPU
+sustains at its power limit, below the boost clock short benchmarks (MAMF, kernel papers) catch.
+Hopper: mamf-finder's sustained vs burst figures on an H200 (same SM and power limit as H100 SXM),
+MSMF 702.9 vs MAMF 828.0 TFLOP/s with the GPU alone (ml-engineering
+compute/accelerator/benchmarks/README.md, "MAMF & MSMF", "What we measured: alone vs all-8
+concurrent"). Ampere: the clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of 1410
+MHz (G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Other generations: no published
+sustained figure, 1.0. HBM bandwidth does not follow the SM clock, so memory-bound kernels keep
+HBM_EFFICIENCY."""
+
 HBM_EFFICIENCY = 0.85
 """Achievable share of datasheet DRAM bandwidth for streaming kernels: BabelStream on A100/V100
 reaches ~85-90 % (Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel
@@ -49,9 +60,14 @@ def matmul_peak_flops(gpu: GPU, precision: str) -> float:
     return gpu.peak_tflops(precision) * 1e12
 
 
+def sustained_clock_fraction(gpu: GPU) -> float:
+    return SUSTAINED_CLOCK_FRACTION.get(gpu.arch, 1.0)
+
+
 def matmul_efficiency(gpu: GPU, precision: str) -> float:
+    """Achievable share of peak for a well-shaped GEMM at the sustained clock."""
     kind = "fp32" if precision == "fp32" else "tensor"
-    return MATMUL_EFFICIENCY[kind].get(gpu.arch, MATMUL_EFFICIENCY[kind]["ampere"])
+    return MATMUL_EFFICIENCY[kind].get(gpu.arch, MATMUL_EFFICIENCY[kind]["ampere"]) * sustained_clock_fraction(gpu)
 
 
 def gemm_time_s(gpu: GPU, precision: str, m: float, n: float, k: float, *, batch: float = 1.0) -> float:
@@ -78,4 +94,5 @@ def has_flash_kernel(gpu: GPU, precision: str) -> bool:
 
 
 def flash_attention_time_s(gpu: GPU, precision: str, counted_flops: float) -> float:
-    return counted_flops / (matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch])
+    rate = matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch] * sustained_clock_fraction(gpu)
+    return counted_flops / rate

@@ -36,26 +36,35 @@ def test_one_flops_formula_palm_appendix_b():
                                  attention_width=2048, seq_len=2048) == 6e9 + 12 * 16 * 2048 * 2048
 
 
+A100_CLOCK = 1305 / 1410   # sustained (power-limited) over boost clock
+
+
 def test_gemm_time_is_math_bound_at_the_mamf_share_and_memory_bound_when_thin():
-    # 4096^3 bf16 on A100: 2 * 4096^3 FLOPs at 85.9 % of 312 TFLOP/s (tiles divide evenly).
+    # 4096^3 bf16 on A100: 2 * 4096^3 FLOPs at 85.9 % of 312 TFLOP/s (tiles divide evenly), at the
+    # clock the A100 sustains at its power limit.
     t = kernels.gemm_time_s(A100, "bf16", 4096, 4096, 4096)
-    assert t == pytest.approx(2 * 4096**3 / (312e12 * 0.859))
+    assert t == pytest.approx(2 * 4096**3 / (312e12 * 0.859 * A100_CLOCK))
     # A LoRA-rank GEMM (k = 8) is bound by its bytes: 2 B x (m k + k n + m n) over 85 % of 2039 GB/s.
     m, n, k = 8192, 4096, 8
     t = kernels.gemm_time_s(A100, "bf16", m, n, k)
     assert t == pytest.approx(2 * (m * k + k * n + m * n) / (2039e9 * 0.85))
     # fp32 runs on CUDA cores (TF32 off), at 90 % of 19.5 TFLOP/s.
-    assert kernels.gemm_time_s(A100, "fp32", 4096, 4096, 4096) == pytest.approx(2 * 4096**3 / (19.5e12 * 0.9))
+    assert kernels.gemm_time_s(A100, "fp32", 4096, 4096, 4096) == pytest.approx(
+        2 * 4096**3 / (19.5e12 * 0.9 * A100_CLOCK))
     # N = 1000 pads to 8 tiles of 128 (tile quantization)
     assert kernels.gemm_time_s(A100, "bf16", 4096, 1000, 4096) == pytest.approx(
-        2 * 4096 * 1024 * 4096 / (312e12 * 0.859))
+        2 * 4096 * 1024 * 4096 / (312e12 * 0.859 * A100_CLOCK))
 
 
 def test_flash_attention_and_memory_bound_terms():
     counted = 4.0 * 8192 * 4096 * 32 * 128
-    assert kernels.flash_attention_time_s(A100, "bf16", counted) == pytest.approx(counted / (312e12 * 0.50))
+    assert kernels.flash_attention_time_s(A100, "bf16", counted) == pytest.approx(counted / (312e12 * 0.50 * A100_CLOCK))
     h100 = find_gpu("h100-80gb")
-    assert kernels.flash_attention_time_s(h100, "bf16", counted) == pytest.approx(counted / (989.5e12 * 0.35))
+    # Hopper's sustained clock: MSMF / MAMF = 702.9 / 828.0 (H200, mamf-finder)
+    assert kernels.flash_attention_time_s(h100, "bf16", counted) == pytest.approx(
+        counted / (989.5e12 * 0.35 * 702.9 / 828.0))
+    assert kernels.matmul_efficiency(h100, "bf16") == pytest.approx(0.801 * 702.9 / 828.0)
+    assert kernels.matmul_efficiency(find_gpu("v100-16gb"), "fp16") == 0.90   # no sustained figure
     assert not kernels.has_flash_kernel(find_gpu("v100-16gb"), "fp16")
     assert not kernels.has_flash_kernel(A100, "fp32")
     assert kernels.memory_time_s(A100, 1e9) == pytest.approx(1e9 / (2039e9 * 0.85))
@@ -219,7 +228,7 @@ def test_eager_attention_moves_the_score_matrix_through_hbm():
     assert att.fwd_s == pytest.approx(gemms + kernels.memory_time_s(v100, per_score * bh * s * s))
     assert att.bwd_s == pytest.approx(2 * att.fwd_s)
     flash = tp_model._attention_pass(A100, plan.with_(precision="bf16", attention="flash"), bert, 4 * 512)
-    assert flash.fwd_s == pytest.approx(4.0 * 2048 * 512 * 16 * 64 / (312e12 * 0.5))
+    assert flash.fwd_s == pytest.approx(4.0 * 2048 * 512 * 16 * 64 / (312e12 * 0.5 * A100_CLOCK))
 
 
 def test_tensor_parallel_allreduces_per_block():
