@@ -145,7 +145,12 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     engine = _ENGINES[record["engine"]]
     zero = record.get("zero_stage") or 0
     if record["engine"] == "fairscale_sharded_ddp":
-        approx.append("fairscale ShardedDDP + OSS priced as ZeRO-2 on the torch engine")
+        # ShardedDDP reduces each gradient to the rank owning its optimizer shard, OSS broadcasts
+        # the updated params after the step, params stay replicated and fp32 under torch AMP
+        # (fairscale/nn/data_parallel/sharded_ddp.py, fairscale/optim/oss.py): the torch engine's
+        # stage 1 (reduce at the boundary + gather after the step), not FSDP.
+        zero = 1
+        approx.append("fairscale ShardedDDP + OSS priced as torch-engine ZeRO-1")
     tp, pp = record.get("tp") or 1, record.get("pp") or 1
     n = record["num_gpus"]
     ac = (record.get("activation_checkpointing") or "none").lower()
