@@ -1,8 +1,8 @@
 """Time of one GPU kernel from its shape: matmuls, attention, memory-bound elementwise ops.
 
 Pure arithmetic on the GPU catalog's datasheet peaks (presets/gpus.json). Each efficiency below is a
-published measurement of what the kernel reaches on that GPU generation, not a fit to memkit's
-throughput benchmark.
+published measurement of what the kernel reaches on that GPU generation (or says plainly that it is
+an assumption), not a fit to memkit's throughput benchmark (benchmarks/throughput_accuracy.py).
 """
 from __future__ import annotations
 
