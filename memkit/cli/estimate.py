@@ -9,7 +9,7 @@ from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args,
                                hardware_from_args, lora_targets, render_breakdown)
 from memkit.plan import TrainingPlan
 
-HELP = "predict per-GPU peak memory (and host RAM) of one training plan"
+HELP = "predict per-GPU peak memory (and host RAM) and the step time of one training plan"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     hardware = hardware_from_args(args)
     plan = plan_from_args(args, model, hardware)
     est = estimate_memory(model, plan, hardware)
+    speed = _step_time(model, plan, hardware)
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         out["model"] = model.name
         out["gpu"] = hardware.gpu.name
         out["plan"] = plan.to_dict()
+        out["step_time"] = speed.to_dict()
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -66,4 +68,21 @@ def run(args: argparse.Namespace) -> int:
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
     print(render_breakdown(est, title=title))
+    print(render_step_time(speed))
     return 0
+
+
+def _step_time(model, plan, hardware):
+    from memkit.estimate.throughput import estimate_step_time
+    return estimate_step_time(model, plan, hardware)
+
+
+def render_step_time(speed) -> str:
+    """Step time, tokens/s, MFU and the seconds per step of each term (largest first)."""
+    from memkit.estimate.throughput import step_time_uncertainty
+    lines = [f"step time: {speed.step_time_s:.3f} s/step, {speed.tokens_per_s:,.0f} tokens/s, "
+             f"MFU {speed.mfu:.1%} (predicted; +-{step_time_uncertainty():.0%} = p75 error on published runs)"]
+    for name, sec in sorted(speed.components_s.items(), key=lambda kv: -kv[1]):
+        if sec > 0:
+            lines.append(f"  {name:<17} {sec:9.3f} s  {sec / speed.step_time_s:6.1%}")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ OBJECTIVES = ("throughput", "memory")
 SPLIT_MODES = ("if-needed", "auto")
 """When unpinned tp/pp > 1 are chosen: 'if-needed' only when no data-parallel plan of the tier
 fits; 'auto' also when faster than the best data-parallel plan by more than the step-time
-model's uncertainty (planner.search.STEP_TIME_UNCERTAINTY). Never to meet the batch arithmetic."""
+model's uncertainty (estimate.throughput.step_time_uncertainty). Never to meet the batch arithmetic."""
 
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")

@@ -25,6 +25,9 @@ class GPU:
     pcie_gbps: float
     cuda_context_bytes: int
     aliases: tuple[str, ...] = ()
+    arch: str = "ampere"
+    """GPU generation (volta, turing, ampere, ada, hopper, cdna3): selects the achievable matmul and
+    attention-kernel fractions of peak in memkit/estimate/kernels.py."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the matmul dtype a precision runs in (fp32 uses TF32 as PyTorch allows it)."""
@@ -87,7 +90,7 @@ def gpu_catalog() -> dict[str, GPU]:
             fp16_tflops=row["fp16_tflops"], bf16_tflops=row["bf16_tflops"],
             hbm_gbps=row["hbm_gbps"], intra_node_gbps=row["intra_node_gbps"],
             pcie_gbps=row["pcie_gbps"], cuda_context_bytes=row["cuda_context_mib"] * MIB,
-            aliases=tuple(row.get("aliases", ())))
+            aliases=tuple(row.get("aliases", ())), arch=row.get("arch", "ampere"))
     return out
 
 

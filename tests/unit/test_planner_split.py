@@ -12,7 +12,6 @@ from memkit.cli.main import main
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.planner import NoPlanFits, Request, search
-from memkit.planner.search import STEP_TIME_UNCERTAINTY
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
@@ -53,19 +52,18 @@ def test_if_needed_splits_only_when_nothing_fits_otherwise():
     assert "GiB budget)" in result.split_reason
 
 
-def test_if_needed_keeps_data_parallel_when_it_fits_and_auto_splits_when_faster():
-    # 4 x A100-40GB, 8k tokens: the step-time model prices tp=2 1.27x faster than the best
-    # data-parallel plan (ZeRO-2 with optimizer offload, whose PCIe traffic tp avoids).
+def test_if_needed_keeps_data_parallel_and_auto_keeps_it_within_the_model_uncertainty():
+    # 4 x A100-40GB, 8k tokens: the step-time model prices tp=2 a little faster than the best
+    # data-parallel plan (ZeRO-1 with checkpointing), but by less than its measured uncertainty
+    # (issue #10), so auto keeps the lower-risk data-parallel plan and says why.
+    from memkit.estimate.throughput import step_time_uncertainty
     default = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="if-needed"))
     assert (default.chosen.plan.tp, default.chosen.plan.pp) == (1, 1) and default.split_reason == ""
     auto = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="auto"))
-    assert auto.chosen.plan.tp == 2 and auto.chosen.speed.step_time_s < default.chosen.speed.step_time_s
-    ratio = default.chosen.speed.step_time_s / auto.chosen.speed.step_time_s
-    assert ratio > 1 + STEP_TIME_UNCERTAINTY
-    assert auto.split_reason.startswith(f"tensor parallel 2 (DeepSpeed AutoTP): {ratio:.2f}x faster than the best "
-                                        f"data-parallel plan ({default.chosen.label}, ")
-    assert f"more than its {STEP_TIME_UNCERTAINTY:.0%} uncertainty" in auto.split_reason
-    assert "it saves offload traffic over PCIe" in auto.split_reason
+    assert (auto.chosen.plan.tp, auto.chosen.plan.pp) == (1, 1) and auto.split_reason == ""
+    split = [a for a in auto.alternatives if a.plan.tp == 2][0]
+    assert split.speed.step_time_s < auto.chosen.speed.step_time_s <= split.speed.step_time_s * (1 + step_time_uncertainty())
+    assert any("lower risk (no model split)" in note and split.label in note for note in auto.notes)
 
 
 def test_auto_keeps_data_parallel_when_no_split_is_faster():
