@@ -9,7 +9,7 @@ from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args,
                                hardware_from_args, lora_targets, render_breakdown)
 from memkit.plan import TrainingPlan
 
-HELP = "predict per-GPU peak memory (and host RAM) of one training plan"
+HELP = "predict per-GPU peak memory (and host RAM) and the step time of one training plan"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     # a CPU estimate (`--device cpu`, where the CLI has it) is calibrated by CPU verify runs
     device_key = "cpu" if getattr(args, "device", "cuda") == "cpu" else hardware.gpu.name
     est = _calibrated(est, plan, device_key, stack)
+    speed = _step_time(model, plan, hardware)
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         out["gpu"] = hardware.gpu.name
         out["plan"] = plan.to_dict()
         out["stack"] = stack.to_dict()
+        out["step_time"] = speed.to_dict()
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
           f"{est.allocated_peak_upper_bytes / gib:.2f}, reserved {est.reserved_peak_upper_bytes / gib:.2f}, "
           f"nvidia-smi {est.nvidia_smi_peak_upper_bytes / gib:.2f} GiB; predicted nvidia-smi "
           f"{est.nvidia_smi_peak_bytes / gib:.2f} GiB")
+    print(render_step_time(speed))
     return 0
 
 
@@ -94,3 +97,19 @@ def _calibrated(est, plan, device: str, stack):
         return est
     return with_upper_bounds(est, plan, table=table, basis=f"calibrated on {n} runs on this machine",
                              device="cuda" if device != "cpu" else "cpu")
+
+
+def _step_time(model, plan, hardware):
+    from memkit.estimate.throughput import estimate_step_time
+    return estimate_step_time(model, plan, hardware)
+
+
+def render_step_time(speed) -> str:
+    """Step time, tokens/s, MFU and the seconds per step of each term (largest first)."""
+    from memkit.estimate.throughput import step_time_uncertainty
+    lines = [f"step time: {speed.step_time_s:.3f} s/step, {speed.tokens_per_s:,.0f} tokens/s, "
+             f"MFU {speed.mfu:.1%} (predicted; +-{step_time_uncertainty():.0%} = p75 error on published runs)"]
+    for name, sec in sorted(speed.components_s.items(), key=lambda kv: -kv[1]):
+        if sec > 0:
+            lines.append(f"  {name:<17} {sec:9.3f} s  {sec / speed.step_time_s:6.1%}")
+    return "\n".join(lines)

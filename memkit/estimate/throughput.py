@@ -1,42 +1,54 @@
 """Step-time model: how long one optimizer step of a TrainingPlan takes, hence tokens/s and MFU.
 
-The planner ranks feasible plans with it, so it must order plans correctly more than it must be
-exact. Each term cites its source; the constants that are assumptions (not measurements) are named
-at the top with the reasoning behind them. Pure arithmetic: no torch, no I/O, microseconds per call.
+The planner ranks feasible plans with it. Compute is priced kernel by kernel from the shapes the
+plan gives each GPU (memkit/estimate/kernels.py: matmuls at the achievable rate of the GPU
+generation and dtype, attention kernels at their published utilisation, elementwise ops as HBM
+traffic); communication from the mechanism each engine and ZeRO stage uses (DeepSpeed 0.19
+runtime/zero/stage_1_and_2.py and stage3.py, torch DDP / FSDP); nothing is fitted to the
+throughput benchmark (benchmarks/throughput_accuracy.py measures it).
 
 Per GPU and per optimizer step (m = grad_accum micro-steps):
 
-    step = pipeline_factor * m * (compute + exposed comm + exposed offload traffic)   per micro-step
-         + once-per-step terms (gradient sync at the accumulation boundary, optimizer step,
-           offload transfers that cannot overlap)
+    step = bubble * m * micro + once-per-step terms
+    micro = max(GPU compute, host dispatch) + exposed communication + offload traffic + TP/PP comm
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+from memkit.estimate import kernels
+from memkit.estimate.flops import train_flops_per_token
 from memkit.plan import TrainingPlan
-from memkit.spec.hardware import Hardware
-from memkit.spec.model import ModelSpec
+from memkit.presets_dir import presets_dir
+from memkit.spec.hardware import GPU, Hardware
+from memkit.spec.model import Linear, ModelSpec
 
-# ---- assumptions (named, not measured here; each says why) -----------------------------------
+# ---- constants (each cites where it comes from) -----------------------------------------------
 
-PEAK_FRACTION = 0.45
-"""Achievable fraction of dense peak for transformer fwd+bwd with large matmuls in 16-bit on
-A100/H100 class GPUs. Megatron-LM reaches 44-52% MFU on A100 (Narayanan et al. 2021, Table 1;
-Korthikanti et al. 2022, Table 5); PaLM reports 46.2% (Chowdhery et al. 2022, Sec. 4.1 / App. B).
-Hugging Face fine-tuning stacks usually land a little lower, so 0.45 is the large-batch ceiling."""
+OP_DISPATCH_S = 10e-6
+"""CPU time PyTorch eager needs to issue one op (Python, dispatcher, kernel launch): ~10 us (Horace
+He, "Making Deep Learning Go Brrrr From First Principles", 2022, Sec. "Overhead"). Kernels run
+asynchronously, so a micro-step is host-bound only when this exceeds the GPU time."""
 
-HALF_EFFICIENCY_TOKENS = 256
-"""Tokens per micro-batch (micro_batch_size * seq_len, the M dimension of every matmul) at which a
-GPU reaches half of PEAK_FRACTION. Small M leaves tensor cores idle (GEMM efficiency falls with M,
-cf. NVIDIA 'Matrix Multiplication Background' user guide, Sec. 'Dimension quantization effects');
-the saturating curve eff(M) = PEAK_FRACTION * M / (M + 256) gives 0.40 at M = 2048 and 0.44 at
-M = 8192."""
+OPS_PER_LINEAR = 3
+"""Forward + input-grad + weight-grad kernels of one nn.Linear (addmm / mm / mm)."""
 
-OVERLAP_FRACTION = 0.7
-"""Share of the compute window that bucketed gradient reduction / ZeRO-3 prefetch can hide.
-Communication kernels compete with compute for SMs and HBM, so overlap is partial (PyTorch DDP,
-Li et al. 2020, VLDB, Sec. 3.2.3 and Fig. 7 show a fraction, not all, of allreduce hidden)."""
+ELEMENTWISE_OPS_PER_BLOCK = 100
+"""Non-matmul ops of one transformer block, forward and backward, counted from
+transformers/models/llama/modeling_llama.py LlamaDecoderLayer: ~40 forward (RMSNorm is 6 ops, twice;
+rotary ~10; reshapes/transposes and the attention call ~8; two residual adds; act * up; casts) and
+~1.5x that many autograd nodes in backward."""
+
+LOSS_BYTES_PER_LOGIT = 32
+"""HBM bytes per logit of the cross-entropy: 16-bit logits upcast to fp32 (2 read + 4 written),
+log-softmax (4 + 4), and its backward (4 + 4 read, 4 written, cast back 4 + 2); torch
+nn.functional.cross_entropy = log_softmax + nll_loss."""
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP bucket_cap_mb default 25 MiB (torch/nn/parallel/distributed.py): the last bucket's
+all-reduce starts only after backward ends, so it is never hidden (Li et al. 2020, Sec. 3.2.3)."""
 
 HOST_MEMORY_GBPS_PER_NODE = 100.0
 """Host DRAM bandwidth CPU-Adam achieves on one node (all its cores). CPU-Adam is a streaming,
@@ -48,24 +60,33 @@ CPU_ADAM_BYTES_PER_PARAM = 30
 
 NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
-al. 2021, Sec. 6.2) stripes several for more. Conservative on purpose: NVMe plans rank last."""
+al. 2021, Sec. 6.2) stripes several for more."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 20, "sgd": 12}
-"""HBM bytes the optimizer step reads+writes per trainable parameter (Adam: fp32 master, m, v
-read and written, grad read, 16-bit copy written); the step is memory-bound (roofline, Williams
-et al. 2009), so time = bytes / HBM bandwidth."""
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 68, "sgd": 12}
+"""HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
+AdamW (fused / foreach): fp32 param, grad, m, v read (16) and param, m, v written (12) + the
+16-bit copy (4 with its read). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
+and v read and written (4), param written (2 for its 16-bit copy). Adafactor
+(transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
+the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
+and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
+momentum: param, grad, buffer read, param and buffer written (12 with the copy)."""
 
-HOST_OVERHEAD_S_PER_LAYER = 0.5e-3
-"""CPU-side time per transformer block per micro-step (forward + backward): Python module calls
-and ~100 kernel launches at ~5 us each. Invisible for big micro-batches, dominant for tiny ones;
-it is what makes many small micro-steps slower than few large ones at equal FLOPs."""
+OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0, "sgd": 0, "adamw-8bit": 3, "adafactor": 15}
+"""Python-issued ops per parameter tensor in the optimizer step, where the implementation loops
+over tensors: torch AdamW/SGD use the multi-tensor (foreach) path by default on CUDA
+(torch/optim/adamw.py _multi_tensor_adamw), a few launches in all; bitsandbytes AdamW8bit calls
+one fused kernel per tensor plus state bookkeeping (bitsandbytes/optim/optimizer.py
+Optimizer8bit.step -> update_step); transformers Adafactor runs ~15 tensor ops per parameter
+(transformers/optimization.py Adafactor.step: grad^2, row/col means, two lerps, rsqrt factors,
+their product, times grad, RMS, clamp, divide, lr scale, RMS of the param, update)."""
 
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
-"""Extra per block per micro-step under ZeRO-3: DeepSpeed's pre/post forward and backward hooks on
-each of a block's ~10 parameterised submodules (~40 calls) fetch, release and track partitioned
-parameters in Python and wait on the fetches, at ~50-75 us a call (deepspeed/runtime/zero/
-parameter_offload.py, partitioned_param_coordinator.py). Not hidden. It reproduces the order the
-transformers DeepSpeed guide gives when memory is no object: stage 2 faster than stage 3."""
+"""DeepSpeed ZeRO-3 only: its pre/post forward and backward hooks on each of a block's ~10
+parameterised submodules (~40 calls) fetch, release and track partitioned parameters in Python and
+wait on the fetches, at ~50-75 us a call (deepspeed/runtime/zero/parameter_offload.py,
+partitioned_param_coordinator.py). Not hidden by prefetch, and independent of the micro-batch.
+FSDP gathers one flat parameter per wrapped block instead, so it pays no such per-module cost."""
 
 STEP_OVERHEAD_S = 10e-3
 """Fixed per optimizer step: gradient-norm clipping, overflow checks, scheduler, logging."""
@@ -73,26 +94,38 @@ STEP_OVERHEAD_S = 10e-3
 GB = 1e9
 
 
+@lru_cache(maxsize=1)
+def _uncertainty_doc() -> dict:
+    return json.loads((presets_dir() / "step_time_uncertainty.json").read_text())
+
+
+def step_time_uncertainty() -> float:
+    """The model's stated relative uncertainty: p75 of |predicted - measured| / measured over the
+    published runs, as benchmarks/throughput_accuracy.py --write-uncertainty last wrote it."""
+    return float(_uncertainty_doc()["p75_abs_error"])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTimeEstimate:
     step_time_s: float
     tokens_per_s: float
     mfu: float
-    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, App. B): model FLOPs / (time * peak)."""
+    """Model FLOPs utilisation: memkit.estimate.flops per token x tokens / (time x peak)."""
     hfu: float
     """Hardware FLOPs utilisation: counts the recompute forward too (Korthikanti et al. 2022, Sec. 6)."""
     model_flops_per_step: float
     compute_efficiency: float
-    """Fraction of peak the matmuls are assumed to reach at this micro-batch."""
+    """Achieved share of the dense peak while computing (model + recompute FLOPs over compute time)."""
     components_s: dict[str, float] = field(default_factory=dict)
-    """Seconds per optimizer step by term (compute, recompute, pipeline_bubble, dp_comm, tp_comm,
-    pp_comm, offload_transfer, optimizer_step, host_overhead)."""
+    """Seconds per optimizer step by term; they sum to step_time_s."""
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "hfu": self.hfu, "model_flops_per_step": self.model_flops_per_step,
                 "compute_efficiency": self.compute_efficiency, "components_s": dict(self.components_s)}
 
+
+# ---- FLOPs --------------------------------------------------------------------------------------
 
 def matmul_params(model: ModelSpec) -> int:
     """Parameters a token meets in a matmul: all but the embedding lookup, plus the LM head when it
@@ -107,190 +140,415 @@ def matmul_params(model: ModelSpec) -> int:
 
 
 def flops_per_token(model: ModelSpec, plan: TrainingPlan) -> tuple[float, float]:
-    """(model FLOPs, extra recompute FLOPs) per token of one training step."""
+    """(model FLOPs, extra recompute FLOPs) per token of one training step (memkit.estimate.flops)."""
     n = matmul_params(model)
-    # Dense matmuls: 2N forward, 4N backward = 6N (Kaplan et al. 2020, Sec. 2.1). With LoRA the
-    # frozen weights get no weight gradient, so backward is 2N (input grads only) and the
-    # adapters are negligible (Hu et al. 2021, Sec. 4.2: no gradients for most parameters).
-    dense_fwd = 2.0 * n
-    dense_bwd = 2.0 * n if plan.is_lora else 4.0 * n
-    # Attention scores and weighted values: 12 * L * H * Q * T per token for fwd+bwd (PaLM,
-    # Chowdhery et al. 2022, App. B; H*Q = heads * head_dim, T = sequence length); 1/3 is forward.
-    attn_total = 12.0 * model.total_layers * model.num_attention_heads * model.head_dim * plan.seq_len
-    attn_fwd = attn_total / 3.0
-    model_flops = dense_fwd + dense_bwd + attn_total
-    # Full activation checkpointing recomputes each block's forward in backward: one more forward
-    # (Korthikanti et al. 2022, Sec. 5; Chen et al. 2016).
-    recompute = (dense_fwd + attn_fwd) if plan.checkpointing == "full" else 0.0
-    return model_flops, recompute
+    trainable = min(n, model.lora_params(plan.lora_rank, plan.lora_targets)) if plan.is_lora else n
+    width = model.num_attention_heads * model.head_dim
+    total = train_flops_per_token(matmul_params=n, trainable_matmul_params=trainable,
+                                  num_layers=model.total_layers, attention_width=width, seq_len=plan.seq_len)
+    # Full checkpointing re-runs each block's forward in backward (Chen et al. 2016; Korthikanti
+    # et al. 2022, Sec. 5): 2N + the forward third of the attention term.
+    recompute = (2.0 * n + 4.0 * model.total_layers * width * plan.seq_len) if plan.checkpointing == "full" else 0.0
+    return total, recompute
 
 
-def compute_efficiency(plan: TrainingPlan) -> float:
-    tokens = plan.micro_batch_size * plan.seq_len
-    return PEAK_FRACTION * tokens / (tokens + HALF_EFFICIENCY_TOKENS)
+# ---- compute, kernel by kernel -----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    num_ops: int = 0
+
+    def __add__(self, other: "_Pass") -> "_Pass":
+        return _Pass(self.fwd_s + other.fwd_s, self.bwd_s + other.bwd_s, self.num_ops + other.num_ops)
+
+    def scaled(self, k: float) -> "_Pass":
+        return _Pass(self.fwd_s * k, self.bwd_s * k, int(self.num_ops * k))
 
 
-def _ring_time_s(num_bytes: float, num_ranks: int, bus_gbps: float, *, allreduce: bool) -> float:
-    """Ring collective time: all-reduce moves 2(n-1)/n of the buffer per rank, reduce-scatter and
-    all-gather (n-1)/n (Patarasuk & Yuan 2009; nccl-tests 'busbw' uses the same factors)."""
-    if num_ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    factor = (2.0 if allreduce else 1.0) * (num_ranks - 1) / num_ranks
-    return num_bytes * factor / (bus_gbps * GB)
+def _amp_fp32_weights(plan: TrainingPlan) -> bool:
+    """torch autocast with DDP / one GPU keeps fp32 parameters and gradients (torch.amp: autocast
+    casts weights per op, AccumulateGrad writes the param's dtype); DeepSpeed's fp16/bf16 engine
+    and FSDP MixedPrecision hold 16-bit copies instead."""
+    return plan.engine == "torch" and plan.is_mixed and plan.zero_stage < 2
 
 
 def _grad_bytes(plan: TrainingPlan) -> int:
-    """Gradients travel in the training dtype: 16-bit under fp16/bf16 (DeepSpeed's
-    communication_data_type defaults to it), 4 bytes under fp32."""
+    """Bytes per gradient element as it is reduced: the training dtype, fp32 under torch AMP."""
+    return 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
+
+
+def _elt(plan: TrainingPlan) -> int:
+    """Activation bytes: 16-bit under fp16/bf16 autocast and bf16-pure, 4 under fp32."""
     return 4 if plan.precision == "fp32" else 2
 
 
-def _param_bytes(plan: TrainingPlan) -> int:
-    return 4 if plan.precision == "fp32" else 2
+def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, tokens: int) -> _Pass:
+    """One nn.Linear (or a 3-D expert weight) forward and backward; the weight gradient only when
+    the weight trains (LoRA freezes it: activation gradients only, Hu et al. 2021, Sec. 4)."""
+    prec = plan.precision
+    k_in, n_out = lin.in_features, lin.out_features
+    if lin.tp_style == "column":
+        n_out //= plan.tp
+    elif lin.tp_style == "row":
+        k_in //= plan.tp
+    batch, m = lin.count, tokens
+    if lin.count > 1 and model.num_experts_per_tok and lin.role.startswith("expert"):
+        m = tokens * model.num_experts_per_tok / lin.count  # tokens routed to each expert
+    fwd = kernels.gemm_time_s(gpu, prec, m, n_out, k_in, batch=batch)
+    bwd = kernels.gemm_time_s(gpu, prec, m, k_in, n_out, batch=batch)           # input gradient
+    if not plan.is_lora:
+        bwd += kernels.gemm_time_s(gpu, prec, k_in, n_out, m, batch=batch)      # weight gradient
+    ops = OPS_PER_LINEAR
+    if plan.is_lora and lin.name in plan.lora_targets:
+        r, e = plan.lora_rank, _elt(plan)
+        fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)
+                + kernels.memory_time_s(gpu, 3 * e * m * n_out))                 # x A, (xA) B, add
+        if plan.lora_dropout > 0:   # peft LoRA Linear: dropout(x) feeds A (peft/tuners/lora/layer.py)
+            drop = kernels.memory_time_s(gpu, (2 * e + 1) * m * k_in)
+            fwd, bwd = fwd + drop, bwd + 2 * drop
+        bwd += (kernels.gemm_time_s(gpu, prec, m, r, n_out) + kernels.gemm_time_s(gpu, prec, m, k_in, r)
+                + kernels.gemm_time_s(gpu, prec, r, n_out, m) + kernels.gemm_time_s(gpu, prec, k_in, r, m))
+        ops += 8
+    return _Pass(fwd, bwd, ops)
 
+
+def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
+    """The attention core (scores, softmax, weighted values) of one attention module."""
+    prec, s, q = plan.precision, plan.seq_len, model.head_dim
+    heads = model.num_attention_heads // plan.tp
+    b = tokens / s
+    if plan.attention in ("flash", "sdpa") and kernels.has_flash_kernel(gpu, prec):
+        # No score matrix in HBM; the counted FLOPs are those of memkit.estimate.flops (4 T H Q s
+        # forward, twice that backward, which recomputes the scores: Dao 2023, Sec. 3.1.2).
+        counted = 4.0 * tokens * s * heads * q
+        return _Pass(kernels.flash_attention_time_s(gpu, prec, counted),
+                     kernels.flash_attention_time_s(gpu, prec, 2 * counted), 2)
+    # Eager: two batched GEMMs forward (Q K^T, P V), four backward, and the b x heads x s x s score
+    # matrix through HBM: scale/mask, softmax (fp32 under autocast: torch autocast op list),
+    # dropout, cast (transformers/models/bert/modeling_bert.py eager attention).
+    bh = b * heads
+    fwd = kernels.gemm_time_s(gpu, prec, s, s, q, batch=bh) + kernels.gemm_time_s(gpu, prec, s, q, s, batch=bh)
+    bwd = 2 * fwd
+    e = _elt(plan)
+    soft = 4 if plan.is_mixed else e
+    per_score = e + 2 * e + (e + soft)
+    if model.attention_dropout > 0:
+        per_score += 2 * soft + 1
+    if plan.is_mixed:
+        per_score += soft + e
+    scores = bh * s * s
+    fwd += kernels.memory_time_s(gpu, per_score * scores)
+    bwd += kernels.memory_time_s(gpu, 2 * per_score * scores)
+    return _Pass(fwd, bwd, 8)
+
+
+def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int) -> _Pass:
+    """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
+    backward reads input and gradient and writes a gradient, about twice the forward traffic.
+    The residual stream is in the parameters' dtype: fp32 under torch AMP (the embedding output is
+    fp32 and autocast runs layer_norm in fp32, torch autocast op reference), 16-bit when the model
+    itself is 16-bit (DeepSpeed fp16/bf16, FSDP MixedPrecision, bf16-pure); matmul outputs and the
+    MLP activation are 16-bit under autocast."""
+    h = model.hidden_size / (plan.tp if plan.sequence_parallel else 1)
+    i = model.intermediate_size / plan.tp
+    residual = (num_attn + 1) * (2 * h + 3 * h)          # a norm (r+w) and a residual add (2r+w) per sub-block
+    if model.hidden_dropout > 0:
+        residual += (num_attn + 1) * 2.5 * h             # dropout: r + w + 1-byte mask
+    act = 3 * i if model.gated_mlp else 2 * i            # act(gate) * up, or act(x)
+    if model.position_embedding == "rope":
+        act += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
+    res_bytes = 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
+    fwd = kernels.memory_time_s(gpu, (residual * res_bytes + act * _elt(plan)) * tokens)
+    return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
+
+
+def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int
+                ) -> tuple[_Pass, _Pass]:
+    """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
+    num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
+    total = _Pass()
+    for lin in linears:
+        total = total + _linear_pass(gpu, plan, model, lin, tokens)
+    total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
+    total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens)
+    return total, _Pass(total.fwd_s, 0.0, total.num_ops // 3)
+
+
+def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
+    """LM head GEMM (vocab split over TP under loss parallel), cross-entropy, embedding lookup."""
+    prec, h = plan.precision, model.hidden_size
+    v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+    fwd = kernels.gemm_time_s(gpu, prec, tokens, v, h)
+    bwd = kernels.gemm_time_s(gpu, prec, tokens, h, v)
+    if not plan.is_lora:
+        bwd += kernels.gemm_time_s(gpu, prec, h, v, tokens)
+    loss = kernels.memory_time_s(gpu, LOSS_BYTES_PER_LOGIT * tokens * v)
+    emb = kernels.memory_time_s(gpu, 3 * _elt(plan) * tokens * h)   # gather forward, scatter-add backward
+    return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
+
+
+def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> tuple[_Pass, float]:
+    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch."""
+    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens)
+    total = block.scaled(model.num_layers)
+    fwd_only = block_fwd.scaled(model.num_layers)
+    if model.num_encoder_layers:
+        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens)
+        total = total + enc.scaled(model.num_encoder_layers)
+        fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
+    total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
+    recompute = fwd_only.fwd_s / plan.pp if plan.checkpointing == "full" else 0.0
+    if _amp_fp32_weights(plan):
+        # autocast re-casts every fp32 weight to 16 bits in each forward (4 B read + 2 B written;
+        # its cast cache lives for one autocast region, so the recompute casts again), and
+        # AccumulateGrad adds each 16-bit weight gradient into the fp32 .grad (2 + 4 read, 4 written).
+        n = matmul_params(model) / (plan.tp * plan.pp)
+        trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
+        cast = kernels.memory_time_s(gpu, 6 * n)
+        total = total + _Pass(cast, kernels.memory_time_s(gpu, 10 * trainable), 0)
+        recompute += cast if plan.checkpointing == "full" else 0.0
+    return total, recompute
+
+
+# ---- communication ----------------------------------------------------------------------------
+
+NCCL_BASE_LATENCY_S = 8.4e-6
+NCCL_HOP_LATENCY_S = {"nvlink": 5.7e-6, "pci": 5.7e-6, "net": 6.6e-6}
+"""NCCL's own cost model for ring collectives with the Simple protocol (large messages): a base
+latency plus one per ring step (n-1 steps for all-gather / reduce-scatter, 2(n-1) for all-reduce);
+NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat tables (Ring / Simple)."""
+
+OVERLAP_COMPUTE_COST = 0.15
+"""Share of an overlapped collective's duration the concurrent compute still loses: NCCL runs one
+thread block per channel on its own SM for the whole collective (NVIDIA/nccl src/device/; ~16
+channels on 8-GPU NVLink + InfiniBand nodes, src/graph/search.cc) of an A100's 108 SMs, ~15 %,
+and competes for HBM (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in Distributed
+Deep Learning Training Platforms", ISCA, Sec. 3)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    gbps: float
+    kind: str
+    """nvlink | pci | net: which NCCL hop latency applies."""
+
+
+def _ring_time_s(num_bytes: float, num_ranks: int, link: _Link, *, allreduce: bool, count: float = 1) -> float:
+    """`count` ring collectives moving `num_bytes` in all: bandwidth term (all-reduce moves 2(n-1)/n
+    of the buffer per rank, reduce-scatter and all-gather (n-1)/n: Patarasuk & Yuan 2009; nccl-tests
+    'busbw') plus NCCL's latency per collective."""
+    if num_ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    steps = (2 if allreduce else 1) * (num_ranks - 1)
+    latency = NCCL_BASE_LATENCY_S + steps * NCCL_HOP_LATENCY_S[link.kind]
+    return num_bytes * steps / num_ranks / (link.gbps * GB) + max(1.0, count) * latency
+
+
+def _intra_link(gpu: GPU) -> _Link:
+    # PCIe-only cards: the catalog's intra-node bandwidth is a PCIe figure (presets/gpus.json _about).
+    return _Link(gpu.intra_node_gbps, "pci" if gpu.intra_node_gbps <= 25 else "nvlink")
+
+
+def _dp_link(plan: TrainingPlan, hardware: Hardware) -> _Link:
+    """DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron);
+    otherwise the ring crosses the network at the per-GPU NIC bandwidth."""
+    if hardware.num_nodes == 1 or plan.tp * plan.dp <= hardware.num_gpus_per_node:
+        return _intra_link(hardware.gpu)
+    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps), "net")
+
+
+@dataclass(frozen=True, slots=True)
+class _Comm:
+    micro_s: float = 0.0
+    """Exposed every micro-step."""
+    boundary_s: float = 0.0
+    """Exposed once per optimizer step (accumulation boundary, after the step)."""
+
+
+def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float) -> _Comm:
+    """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under."""
+    dp = plan.dp
+    if dp <= 1:
+        return _Comm()
+    link = _dp_link(plan, hardware)
+    shard = plan.tp * plan.pp
+    layers = model.total_layers / plan.pp
+    n_local = model.num_params / shard
+    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
+    e = _grad_bytes(plan)
+    grads, params = trainable * e, n_local * e
+    # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
+    # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
+    ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
+    rs3 = _ring_time_s(grads, dp, link, allreduce=False, count=layers)
+    rs = _ring_time_s(grads, dp, link, allreduce=False, count=grads / e / plan.reduce_bucket_size)
+    ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / (e * plan.reduce_bucket_size))
+    ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
+    one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
+    ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
+                                 count=trainable / plan.allgather_bucket_size)
+    stage, torch_engine = plan.zero_stage, plan.engine == "torch"
+    if stage == 3:
+        # Params gathered for forward and again for backward, grads reduce-scattered, every micro-step
+        # (ZeRO paper Sec. 7.2.2: 3 Psi); FSDP prefetches the next block's gather (forward_prefetch /
+        # BACKWARD_PRE) and DeepSpeed its prefetch bucket (stage3.py), so they overlap compute.
+        # DeepSpeed reduces on a side stream only with overlap_comm (its default for stage 3,
+        # runtime/zero/config.py overlap_comm_valid).
+        overlap_rs = torch_engine or plan.overlap_comm
+        bwd_comm = ag + (rs3 if overlap_rs else 0.0)
+        exposed = (_overlapped(ag, fwd_s) + _overlapped(bwd_comm, bwd_s) + 2 * one_layer
+                   + (0.0 if overlap_rs else rs3))
+        return _Comm(micro_s=exposed)
+    if torch_engine:
+        if stage == 2:
+            # FSDP SHARD_GRAD_OP: params gathered once per micro-step forward and kept for backward;
+            # grads reduce-scattered during backward.
+            return _Comm(micro_s=_overlapped(ag, fwd_s) + one_layer + _overlapped(rs3, bwd_s))
+        # DDP: bucketed all-reduce overlapped with the last micro-step's backward (no_sync before
+        # it); the last bucket is always exposed (Li et al. 2020, Sec. 3.2.3).
+        last_bucket = _ring_time_s(min(grads, DDP_BUCKET_BYTES), dp, link, allreduce=True)
+        if stage == 1:
+            return _Comm(boundary_s=_overlapped(rs, bwd_s) + last_bucket + ag_after_step)
+        return _Comm(boundary_s=_overlapped(ddp_ar, bwd_s) + last_bucket)
+    # DeepSpeed engine (runtime/zero/stage_1_and_2.py).
+    if stage == 0:
+        # engine.allreduce_gradients() runs after backward at the boundary: nothing hides it.
+        return _Comm(boundary_s=ar)
+    if stage == 1:
+        # reduce_gradients() at the accumulation boundary only (is_gradient_accumulation_boundary),
+        # on the reduction stream with overlap_comm (default off for stages 1-2), then the updated
+        # 16-bit partitions are all-gathered (Sec. 7.2.1: 2 Psi per step).
+        exposed_rs = _overlapped(rs, bwd_s) if plan.overlap_comm else rs
+        return _Comm(boundary_s=exposed_rs + ag_after_step)
+    # Stage 2: partition_gradients -> every micro-step's backward hooks reduce the ipg buckets; on
+    # the compute stream (exposed) unless overlap_comm puts them on the reduction stream.
+    micro = _overlapped(rs, bwd_s) if plan.overlap_comm else rs
+    return _Comm(micro_s=micro, boundary_s=ag_after_step)
+
+
+def _overlapped(comm_s: float, window_s: float) -> float:
+    """Time an overlapped collective adds: what sticks out of the compute window, plus what the
+    compute loses to it while both run (OVERLAP_COMPUTE_COST)."""
+    return max(0.0, comm_s - window_s) + OVERLAP_COMPUTE_COST * min(comm_s, window_s)
+
+
+def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float) -> _Comm:
+    """ZeRO-Offload (Ren et al. 2021, Sec. 4): 16-bit grads GPU->CPU during backward, CPU-Adam on the
+    host, updated 16-bit params back after the step; ZeRO-3 param offload crosses PCIe twice."""
+    gpu = hardware.gpu
+    pcie = gpu.pcie_gbps * GB
+    shard = plan.tp * plan.pp
+    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
+    partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
+    e = 4 if plan.precision == "fp32" else 2
+    micro = step = 0.0
+    per_node = hardware.num_gpus_per_node
+    if plan.offload_optimizer != "none":
+        micro += max(0.0, partition * e / pcie - bwd_s)     # grad copies overlap backward
+        step += partition * e / pcie                          # params back, after the CPU step
+        step += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
+        if plan.offload_optimizer == "nvme":
+            step += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
+    if plan.offload_params != "none":
+        p_part = model.num_params / shard / plan.dp * e
+        micro += 2 * p_part / pcie
+        if plan.offload_params == "nvme":
+            micro += 2 * p_part / (NVME_GBPS_PER_NODE * GB / per_node)
+    return _Comm(micro_s=micro, boundary_s=step)
+
+
+def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
+    """Trainable parameter tensors this GPU steps: weights (+ biases) of each block's linears, the
+    norms' weights (+ biases), embeddings and head; two per adapted linear under LoRA."""
+    total = 0
+    for linears, layers in ((model.layer_linears, model.num_layers),
+                            (model.encoder_layer_linears, model.num_encoder_layers)):
+        if plan.is_lora:
+            per_block = 2 * sum(lin.name in plan.lora_targets for lin in linears)
+        else:
+            norms = max(1, sum(lin.role in ("o", "attn_out") for lin in linears)) + 1
+            per_block = (sum(1 + lin.bias for lin in linears)
+                         + norms * (2 if model.norm_type == "layernorm" else 1))
+        total += layers * per_block
+    return total // plan.pp + (0 if plan.is_lora else 3)
+
+
+# ---- the step -----------------------------------------------------------------------------------
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> StepTimeEstimate:
     gpu = hardware.gpu
-    num_gpus = plan.num_gpus
     m = plan.grad_accum
-    tokens_micro = plan.micro_batch_size * plan.seq_len  # per data-parallel rank
-    model_fpt, recompute_fpt = flops_per_token(model, plan)
-    eff = compute_efficiency(plan)
-    peak = gpu.peak_tflops(plan.precision) * 1e12
-    # Each GPU does 1/(tp*pp) of a micro-batch's work (Megatron, Narayanan et al. 2021, Sec. 2).
-    shard = plan.tp * plan.pp
-    t_compute = model_fpt * tokens_micro / shard / (peak * eff)
-    t_recompute = recompute_fpt * tokens_micro / shard / (peak * eff)
-    t_micro_compute = t_compute + t_recompute
-    t_bwd_window = t_micro_compute * (2.0 / 3.0)  # backward is ~2/3 of fwd+bwd FLOPs (6N = 2N + 4N)
+    tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
+    passes, t_recompute = _micro_compute(gpu, plan, model, tokens)
+    t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
+    t_gpu = t_fwd + t_bwd + t_recompute
+    ops = passes.num_ops * (4 if plan.checkpointing == "full" else 3) // 3
+    t_host = ops * OP_DISPATCH_S
 
-    # ---- data-parallel communication (ZeRO paper, Rajbhandari et al. 2020, Sec. 7) ----------
-    n_local = model.num_params / shard          # parameters held by this tp/pp slice
-    trainable = _trainable_params(model, plan) / shard
-    dp = plan.dp
-    # DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron).
-    dp_bw = gpu.intra_node_gbps if (hardware.num_nodes == 1 or plan.tp * dp <= hardware.num_gpus_per_node) \
-        else min(gpu.intra_node_gbps, hardware.inter_node_gbps)
-    grad_b = trainable * _grad_bytes(plan)
-    par_b = n_local * _param_bytes(plan)
-    per_micro_overlappable = 0.0   # hidden under compute up to OVERLAP_FRACTION of its window
-    per_step_exposed = 0.0         # at the accumulation boundary, not hidden
-    overlap = plan.overlap_comm
-    if plan.zero_stage == 0:
-        # DDP-equivalent all-reduce of 2*Psi per step (Sec. 7.1); DeepSpeed's engine reduces at the
-        # accumulation boundary after backward, so it is exposed.
-        per_step_exposed += _ring_time_s(grad_b, dp, dp_bw, allreduce=True)
-    elif plan.zero_stage == 1:
-        # Reduce-scatter of gradients at the boundary + all-gather of updated 16-bit params:
-        # 2*Psi, the same volume as DDP (Sec. 7.2.1).
-        rs = _ring_time_s(grad_b, dp, dp_bw, allreduce=False)
-        per_step_exposed += _ring_time_s(trainable * _param_bytes(plan), dp, dp_bw, allreduce=False)
-        per_step_exposed += max(0.0, rs - (OVERLAP_FRACTION * t_bwd_window if overlap else 0.0))
-    elif plan.zero_stage == 2:
-        # Gradients reduce-scattered during every micro-step's backward (partitioned gradients),
-        # params all-gathered once after the step (Sec. 7.2.1).
-        rs = _ring_time_s(grad_b, dp, dp_bw, allreduce=False)
-        per_micro_overlappable += rs if overlap else 0.0
-        per_step_exposed += 0.0 if overlap else m * rs
-        per_step_exposed += _ring_time_s(trainable * _param_bytes(plan), dp, dp_bw, allreduce=False)
-    else:
-        # ZeRO-3: all-gather params in forward and again in backward, reduce-scatter grads:
-        # 3*Psi, 1.5x DDP (Sec. 7.2.2), every micro-step; prefetch overlaps the gathers.
-        ag = _ring_time_s(par_b, dp, dp_bw, allreduce=False)
-        rs = _ring_time_s(grad_b, dp, dp_bw, allreduce=False)
-        per_micro_overlappable += 2 * ag + rs
-    window = OVERLAP_FRACTION * (t_micro_compute if plan.zero_stage == 3 else t_bwd_window)
+    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute)
+    off = _offload(plan, model, hardware, t_bwd + t_recompute)
 
-    # ---- offload traffic (ZeRO-Offload, Ren et al. 2021, Sec. 4; ZeRO-Infinity Sec. 5) -------
-    pcie = gpu.pcie_gbps * GB
-    per_micro_offload = 0.0
-    per_step_offload = 0.0
-    partition = trainable / (dp if plan.zero_stage >= 1 else 1)
-    gpus_per_node = hardware.num_gpus_per_node
-    if plan.offload_optimizer != "none":
-        # Sec. 4.1: 16-bit gradients go GPU->CPU during backward (overlapped), the CPU runs Adam,
-        # updated 16-bit params come back CPU->GPU after the step (exposed).
-        per_micro_offload += partition * _grad_bytes(plan) / pcie
-        per_step_offload += partition * _param_bytes(plan) / pcie
-        host_bw = HOST_MEMORY_GBPS_PER_NODE * GB / gpus_per_node  # ranks share the node's DRAM
-        per_step_offload += partition * CPU_ADAM_BYTES_PER_PARAM / host_bw
-        if plan.offload_optimizer == "nvme":
-            # fp32 master, m, v read from and written back to NVMe every step (12 B each way).
-            per_step_offload += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / gpus_per_node)
-    if plan.offload_params != "none":
-        # ZeRO-3 param offload: this rank's partition crosses PCIe for forward and for backward.
-        p_part = n_local / dp * _param_bytes(plan)
-        per_micro_offload += 2 * p_part / pcie
-        if plan.offload_params == "nvme":
-            per_micro_offload += 2 * p_part / (NVME_GBPS_PER_NODE * GB / gpus_per_node)
-
-    exposed_micro = max(0.0, per_micro_overlappable + per_micro_offload - window)
-    dp_micro_exposed = max(0.0, per_micro_overlappable - window)
-    offload_micro_exposed = exposed_micro - dp_micro_exposed
-
-    # ---- tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3) ------------------------------
-    # Two all-reduces of b*s*h activations in forward and two in backward per layer; the
-    # recompute forward repeats the forward two (Korthikanti et al. 2022, Sec. 5). Not overlapped.
-    t_tp_micro = 0.0
+    # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h
+    # activations forward and two backward per block (sequence parallel swaps each for an
+    # all-gather + reduce-scatter of the same volume, Korthikanti et al. 2022, Sec. 4.2.2); the
+    # recompute forward repeats the forward two. Synchronous.
+    t_tp = 0.0
     if plan.tp > 1:
-        layers_here = model.total_layers / plan.pp
-        act_b = tokens_micro * model.hidden_size * _param_bytes(plan)
-        num_allreduce = 4 + (2 if plan.checkpointing == "full" else 0)
-        t_tp_micro = layers_here * num_allreduce * _ring_time_s(act_b, plan.tp, gpu.intra_node_gbps,
-                                                                allreduce=True)
+        act = tokens * model.hidden_size * _elt(plan)
+        per_block = 4 + (2 if plan.checkpointing == "full" else 0)
+        tp_link = _intra_link(gpu) if plan.tp <= hardware.num_gpus_per_node else _Link(hardware.inter_node_gbps, "net")
+        t_tp = model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
 
-    # ---- pipeline parallel ---------------------------------------------------------------------
-    t_pp_micro = 0.0
-    bubble_factor = 1.0
+    # Pipeline: activations forward and their gradients backward at each stage boundary; the
+    # 1F1B / GPipe bubble idles (p-1)/(m+p-1) of the time (Narayanan et al. 2021, Sec. 2.2).
+    t_pp, bubble = 0.0, 1.0
     if plan.pp > 1:
-        # Point-to-point activations forward and their gradients backward at each stage boundary.
-        act_b = tokens_micro * model.hidden_size * _param_bytes(plan)
+        act = tokens * model.hidden_size * _elt(plan)
         pp_bw = gpu.intra_node_gbps if hardware.num_nodes == 1 else hardware.inter_node_gbps
-        t_pp_micro = 2 * act_b / (pp_bw * GB)
-        # 1F1B / GPipe bubble: (p-1)/(m+p-1) of the time is idle (Narayanan et al. 2021, Sec. 2.2;
-        # Huang et al. 2019, GPipe Sec. 2.3), i.e. the busy time stretches by (m+p-1)/m.
-        bubble_factor = (m + plan.pp - 1) / m
+        t_pp = 2 * act / (pp_bw * GB)
+        bubble = (m + plan.pp - 1) / m
 
-    # Kernel launches overlap the GPU's work (CUDA is asynchronous), so only the excess shows;
-    # ZeRO-3's hooks synchronise on parameter fetches, so theirs adds.
-    layers_here = model.total_layers / plan.pp
-    t_host_micro = layers_here * HOST_OVERHEAD_S_PER_LAYER
-    t_zero3_micro = layers_here * ZERO3_OVERHEAD_S_PER_LAYER if plan.zero_stage == 3 else 0.0
-    micro_total = max(t_micro_compute, t_host_micro) + t_zero3_micro + exposed_micro + t_tp_micro + t_pp_micro
-    pipeline_time = micro_total * m * bubble_factor
+    t_zero3 = (model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
+               if plan.zero_stage == 3 and plan.engine == "deepspeed" else 0.0)
+    host_excess = max(0.0, t_host - t_gpu)
+    micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
 
-    # ---- optimizer step on the GPU (memory-bound) ------------------------------------------
     t_opt = 0.0
     if plan.offload_optimizer == "none":
-        t_opt = partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer] / (gpu.hbm_gbps * GB)
+        trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
+                     else model.num_params) / (plan.tp * plan.pp)
+        partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
+        t_opt = kernels.memory_time_s(gpu, partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer])
+        if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
+            t_opt = max(t_opt, _param_tensors(model, plan) * OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+                        * OP_DISPATCH_S)
 
-    step = pipeline_time + per_step_exposed + per_step_offload + t_opt + STEP_OVERHEAD_S
+    step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
+    model_fpt, recompute_fpt = flops_per_token(model, plan)
     tokens_step = plan.tokens_per_step
     model_flops_step = model_fpt * tokens_step
-    peak_all = peak * num_gpus
+    peak = gpu.peak_tflops(plan.precision) * 1e12
+    peak_all = peak * plan.num_gpus
     components = {
-        "compute": t_compute * m,
+        "compute": (t_fwd + t_bwd) * m,
         "recompute": t_recompute * m,
-        "pipeline_bubble": micro_total * m * (bubble_factor - 1.0),
-        "dp_comm": dp_micro_exposed * m + per_step_exposed,
-        "tp_comm": t_tp_micro * m,
-        "pp_comm": t_pp_micro * m,
-        "offload_transfer": offload_micro_exposed * m + per_step_offload,
+        "pipeline_bubble": micro * m * (bubble - 1.0),
+        "dp_comm": dp.micro_s * m + dp.boundary_s,
+        "tp_comm": t_tp * m,
+        "pp_comm": t_pp * m,
+        "offload_transfer": off.micro_s * m + off.boundary_s,
         "optimizer_step": t_opt,
-        "host_overhead": (max(0.0, t_host_micro - t_micro_compute) + t_zero3_micro) * m + STEP_OVERHEAD_S,
+        "host_overhead": (host_excess + t_zero3) * m + STEP_OVERHEAD_S,
     }
+    per_gpu_flops = (model_fpt + recompute_fpt) * tokens / (plan.tp * plan.pp)
     return StepTimeEstimate(
         step_time_s=step,
         tokens_per_s=tokens_step / step,
         mfu=model_flops_step / (step * peak_all),
         hfu=(model_fpt + recompute_fpt) * tokens_step / (step * peak_all),
         model_flops_per_step=model_flops_step,
-        compute_efficiency=eff,
+        compute_efficiency=per_gpu_flops / (t_gpu * peak) if t_gpu > 0 else 0.0,
         components_s=components,
     )
-
-
-def _trainable_params(model: ModelSpec, plan: TrainingPlan) -> int:
-    if plan.is_lora:
-        return model.lora_params(plan.lora_rank, plan.lora_targets)
-    return model.num_params

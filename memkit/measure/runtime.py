@@ -85,17 +85,16 @@ def gpu_peak_tflops(device: torch.device, precision: str) -> float | None:
 
 
 def train_flops_per_token(*, num_params: int, num_trainable_params: int, num_layers: int,
-                          hidden_size: int, seq_len: int) -> float:
-    """Model FLOPs per trained token, excluding recomputation (so MFU, not HFU).
+                          hidden_size: int, seq_len: int, embedding_params: int = 0) -> float:
+    """Model FLOPs per trained token for the measured MFU: memkit.estimate.flops, the formula the
+    predicted MFU uses (PaLM App. B). The matmul parameters are the model's minus its embedding
+    lookup: `embedding_params` is the input-embedding lookup no matmul uses (0 when the LM head is tied
+    to it); pass it so measured and predicted MFU count the same N."""
+    from memkit.estimate.flops import train_flops_per_token as one_formula
 
-    PaLM (Chowdhery et al. 2022), Appendix B: 6N + 12*L*H*Q*T per token, where the attention
-    term 12*L*(H*Q)*T = 12*L*hidden*seq. With frozen weights (LoRA) the backward pass skips
-    the weight gradients of frozen matrices: 2N forward + 2N input-gradient + 2N_trainable
-    weight-gradient (Narayanan et al. 2021, Sec. 5.1 split of the 3x forward cost).
-    """
-    dense = 4 * num_params + 2 * num_trainable_params
-    attention = 12 * num_layers * hidden_size * seq_len
-    return float(dense + attention)
+    matmul = num_params - embedding_params
+    return one_formula(matmul_params=matmul, trainable_matmul_params=min(matmul, num_trainable_params),
+                       num_layers=num_layers, attention_width=hidden_size, seq_len=seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:

@@ -1,0 +1,83 @@
+"""Score memkit's step-time model against published training throughput.
+
+    python benchmarks/throughput_accuracy.py [--data ../shared/calibration/published_throughput.jsonl]
+                                             [--rows] [--write-uncertainty]
+
+Prints, per source and overall: records scored in absolute terms, median |error|, signed mean,
+share within +-20 %, p75 |error|, and rank agreement within each same-model/same-GPU group
+(Kendall tau and share of concordant pairs). Error = (predicted - measured) / measured of tokens/s
+per GPU. `--write-uncertainty` writes the overall p75 |error| to
+presets/step_time_uncertainty.json, which the planner reads as the model's stated uncertainty
+(memkit.estimate.throughput.step_time_uncertainty()).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memkit.calibration_throughput import map_record, score, summarize  # noqa: E402
+from memkit.presets_dir import presets_dir  # noqa: E402
+
+DEFAULT_DATA = ROOT.parent / "shared" / "calibration" / "published_throughput.jsonl"
+for candidate in (DEFAULT_DATA, Path("/work/shared/calibration/published_throughput.jsonl")):
+    if candidate.exists():
+        DEFAULT_DATA = candidate
+        break
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--rows", action="store_true", help="print every record's prediction")
+    ap.add_argument("--write-uncertainty", action="store_true")
+    ap.add_argument("--by-gpu", action="store_true", help="also break the figures down by GPU")
+    args = ap.parse_args(argv)
+    records = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    outcomes = [score(map_record(r, configs_dir=ROOT / "benchmarks" / "calibration_configs")) for r in records]
+    if args.rows:
+        for o in outcomes:
+            c = o.case
+            if c.skip_reason or o.error:
+                print(f"{c.case_id:42} skip: {c.skip_reason or o.error}")
+                continue
+            err = f"{o.error_pct:+6.1f}%" if o.error_pct is not None else "  rank "
+            comp = " ".join(f"{k}={v:.3g}" for k, v in o.estimate.components_s.items() if v > 0)
+            print(f"{c.case_id:42} meas {c.measured_tps_per_gpu:10.1f} pred {o.predicted_tps_per_gpu:10.1f} {err}"
+                  f"  mfu {o.estimate.mfu:.3f}  {c.summary}  [{comp}]")
+    table = summarize(outcomes)
+    _print_table(table)
+    if args.by_gpu:
+        print()
+        _print_table(summarize(outcomes, key=lambda c: c.hardware.gpu.name if c.hardware else "(skipped)"),
+                     title="gpu")
+    if args.write_uncertainty:
+        path = presets_dir() / "step_time_uncertainty.json"
+        doc = {"_about": "Written by benchmarks/throughput_accuracy.py --write-uncertainty: the p75 of "
+                         "|predicted - measured| / measured tokens/s over the published runs it scores "
+                         "(../shared/calibration/published_throughput.jsonl). The planner treats plans whose "
+                         "predicted step times differ by less than this as tied.",
+               "p75_abs_error": round(table["ALL"]["p75_abs_pct"] / 100, 4),
+               "median_abs_error": round(table["ALL"]["median_abs_pct"] / 100, 4),
+               "n_scored": table["ALL"]["n_scored"]}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _print_table(table: dict, *, title: str = "source") -> None:
+    print(f"{title:38} {'n':>4} {'scored':>6} {'med|e|':>7} {'signed':>7} {'<=20%':>6} {'p75|e|':>7}"
+          f" {'pairs':>6} {'tied':>5} {'conc':>6} {'tau':>6}")
+    for name in sorted(table, key=lambda k: (k == "ALL", k)):
+        s = table[name]
+        print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
+              f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
+              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""Published training-throughput measurements as memkit cases: map each record of
+../shared/calibration/published_throughput.jsonl (sources in SOURCES_THROUGHPUT.md next to it) to a
+ModelSpec, TrainingPlan(s) and a Hardware, and score the step-time model against it.
+
+The memory mapping (memkit/calibration.py) reads a different record schema; the helpers that apply
+to both (model configs outside the catalog, LoRA target names, sequence-classification heads) are
+reused from there. No printing, no file reading: benchmarks/throughput_accuracy.py renders this.
+
+Scoring rules (SOURCES_THROUGHPUT.md, "Fields"):
+- every measured figure is turned into tokens/s per GPU (`measured_tps_per_gpu`);
+- `length_varies` records and epochs of unstated size are ranked only (`absolute=False`): their
+  true tokens per sample are unknown, so only their order within a group means something;
+- rank agreement is judged within groups of the same source, model and GPU (and seq_len where the
+  length varies): every pair with different measured figures is concordant when the predicted
+  figures order it the same way.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from memkit.calibration import _CONFIG_DIRS, _lora_targets, as_sequence_classifier
+from memkit.errors import MemkitError
+from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import load_model_spec, spec_from_config
+from memkit.spec.model import ModelSpec
+
+_PRECISIONS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16-pure"}
+# record engine -> (memkit engine, ZeRO stage when the record gives none)
+_ENGINES = {"fsdp": "torch", "ddp": "torch", "single": "torch", "deepspeed": "deepspeed",
+            "fairscale_sharded_ddp": "torch"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ThroughputCase:
+    case_id: str
+    source_id: str
+    group: str
+    """Records ranked against each other: source | model | GPU (| seq_len when the length varies)."""
+    measured_tps_per_gpu: float
+    """Measured tokens/s per GPU (for ranked-only rows: a figure proportional to it)."""
+    absolute: bool
+    """Whether the measured figure is comparable in absolute terms (see the module docstring)."""
+    summary: str
+    model: ModelSpec | None = None
+    plans: tuple[TrainingPlan, ...] = ()
+    """The plan, or the two ends of a bracket whose step times are averaged (selective AC: every
+    second block checkpointed, priced as the mean of no AC and full AC)."""
+    hardware: Hardware | None = None
+    approx: tuple[str, ...] = ()
+    skip_reason: str = ""
+    mfu_reported: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ThroughputOutcome:
+    case: ThroughputCase
+    predicted_tps_per_gpu: float | None = None
+    error_pct: float | None = None
+    estimate: StepTimeEstimate | None = None
+    error: str = ""
+
+
+def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
+    rid, source = record["id"], record["source_id"]
+    approx: list[str] = []
+    measured, absolute = _measured_tps_per_gpu(record, approx)
+    group = f"{source}|{record['model']['name']}|{record.get('memkit_gpu') or record['gpu']}"
+    if record.get("length_varies"):
+        group += f"|s{record['seq_len']}"
+    base = dict(case_id=rid, source_id=source, group=group, measured_tps_per_gpu=measured,
+                absolute=absolute and not record.get("length_varies"),
+                mfu_reported=record["measured"].get("mfu_reported"))
+    skip = _skip_reason(record)
+    if skip:
+        return ThroughputCase(summary="-", skip_reason=skip, **base)
+    model = _model(record, configs_dir, approx)
+    plans, hardware = _plans(record, model, approx)
+    return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
+                          approx=tuple(approx), **base)
+
+
+def _skip_reason(record: dict) -> str:
+    if record["precision"] not in _PRECISIONS:
+        return f"precision {record['precision']}: memkit has no fp8 plan"
+    if record.get("finetune_type") == "qlora":
+        return "QLoRA: 4-bit base weights; memkit has no quantized-weight plan"
+    if (record.get("cp") or 1) > 1:
+        return "context parallel: memkit has no CP plan"
+    if record.get("micro_batch_size") is None:
+        return "micro batch unstated"
+    return ""
+
+
+def _measured_tps_per_gpu(record: dict, approx: list[str]) -> tuple[float, bool]:
+    """(tokens/s per GPU, comparable in absolute terms) from the record's metric."""
+    meas, seq, n = record["measured"], record["seq_len"], record["num_gpus"]
+    metric, value = meas["metric"], float(meas["value"])
+    if metric == "tokens_per_s_per_gpu":
+        return value, True
+    if metric == "tokens_per_s_total":
+        return value / n, True
+    if metric == "samples_per_s_total":
+        return value * seq / n, True
+    if metric == "s_per_step":
+        return record["global_batch_size"] * seq / value / n, True
+    if metric == "s_per_micro_step":
+        return record["micro_batch_size"] * seq / value, True
+    if metric == "minutes_per_1000_micro_iters":
+        # one iteration = one micro-batch on every GPU (litgpt tutorials/resource-tables.md)
+        return record["micro_batch_size"] * 1000 * seq / (value * 60.0), True
+    if metric == "s_per_epoch":
+        samples = meas.get("samples_per_epoch")
+        if samples:
+            return samples * seq / value / n, True
+        approx.append("epoch size unstated: ranked only (1/s per epoch)")
+        return 1.0 / value, False
+    raise MemkitError(f"throughput record {record['id']}: metric {metric!r} has no mapping")
+
+
+def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
+    m = record["model"]
+    name = m["name"]
+    if m.get("memkit_model"):
+        spec = load_model_spec(m["memkit_model"])
+    elif m.get("hf_config"):
+        cfg = dict(m["hf_config"])
+        if "n_positions" in cfg:  # MPT's learned positions grow with the sequence (SOURCES_THROUGHPUT.md)
+            cfg["n_positions"] = max(cfg["n_positions"], record["seq_len"])
+        spec = spec_from_config(cfg, name=name)
+    elif name in _CONFIG_DIRS:
+        spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))
+        approx.append(f"{name} modelled by the nearest memkit family")
+    else:
+        raise MemkitError(f"throughput record {record['id']}: model {name!r} has no config")
+    if record.get("task") == "seq_cls":
+        spec = as_sequence_classifier(spec, num_labels=2)
+    return spec
+
+
+def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[TrainingPlan, ...], Hardware]:
+    engine = _ENGINES[record["engine"]]
+    zero = record.get("zero_stage") or 0
+    if record["engine"] == "fairscale_sharded_ddp":
+        # ShardedDDP reduces each gradient to the rank owning its optimizer shard, OSS broadcasts
+        # the updated params after the step, params stay replicated and fp32 under torch AMP
+        # (fairscale/nn/data_parallel/sharded_ddp.py, fairscale/optim/oss.py): the torch engine's
+        # stage 1 (reduce at the boundary + gather after the step), not FSDP.
+        zero = 1
+        approx.append("fairscale ShardedDDP + OSS priced as torch-engine ZeRO-1")
+    tp, pp = record.get("tp") or 1, record.get("pp") or 1
+    n = record["num_gpus"]
+    ac = (record.get("activation_checkpointing") or "none").lower()
+    attention = _attention(record)
+    if record.get("compile"):
+        approx.append("torch.compile (fused elementwise kernels) priced as eager kernels")
+    if any("async tp" in e.lower() for e in record.get("extras", [])):
+        approx.append("async TP priced as synchronous TP")
+    lora_kw = {}
+    if record.get("finetune_type") == "lora":
+        lora = record.get("lora") or {}
+        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=_lora_targets(model, lora.get("targets")))
+    plan = TrainingPlan(
+        precision=_PRECISIONS[record["precision"]], optimizer=_optimizer(record), zero_stage=int(zero),
+        engine=engine, offload_optimizer="cpu" if record.get("offload_optimizer") not in (None, "none") else "none",
+        offload_params="cpu" if record.get("offload_params") not in (None, "none") else "none",
+        checkpointing="full" if ac == "full" else "none", attention=attention,
+        micro_batch_size=int(record["micro_batch_size"]), grad_accum=int(record["grad_accum"] or 1),
+        seq_len=int(record["seq_len"]), dp=n // (tp * pp), tp=tp, pp=pp,
+        tp_engine="tp_plan" if engine == "torch" else "autotp", sequence_parallel=tp > 1 and engine == "torch",
+        **lora_kw)
+    plans: tuple[TrainingPlan, ...] = (plan,)
+    if ac.startswith("selective"):
+        approx.append(f"{ac} AC priced as the mean of no AC and full AC")
+        plans = (plan, replace(plan, checkpointing="full"))
+    per_node = record.get("gpus_per_node") or min(n, 8)
+    gpu = find_gpu(record.get("memkit_gpu") or record["gpu"])
+    hw_kw = {}
+    if record.get("inter_node_gbps_per_gpu"):
+        hw_kw["inter_node_gbps"] = float(record["inter_node_gbps_per_gpu"])
+    elif gpu.arch == "hopper" and n > per_node:
+        # Unstated H100 network: the DGX H100 reference design, one 400 Gb/s ConnectX-7 per GPU
+        # (NVIDIA DGX H100 User Guide, "Hardware Overview") = 50 GB/s per GPU.
+        hw_kw["inter_node_gbps"] = 50.0
+        approx.append("inter-node bandwidth unstated: DGX H100 400 Gb/s per GPU assumed")
+    hardware = Hardware(gpu=gpu, num_gpus_per_node=min(per_node, n), num_nodes=max(1, n // per_node), **hw_kw)
+    return plans, hardware
+
+
+def _attention(record: dict) -> str:
+    text = (record.get("attention") or "eager").lower()
+    if text.startswith("flash") or "(flash" in text:
+        return "flash"
+    if "sdpa" in text:
+        return "sdpa"
+    return "eager"
+
+
+def _optimizer(record: dict) -> str:
+    text = (record.get("optimizer") or "adamw").lower()
+    for name in ("adamw-8bit", "adafactor", "sgd"):
+        if name in text:
+            return name
+    if "8bit" in text:
+        return "adamw-8bit"
+    return "adamw"
+
+
+def _summary(plan: TrainingPlan, record: dict) -> str:
+    ac = record.get("activation_checkpointing") or "none"
+    par = f"{record['engine']}" + (f"-z{plan.zero_stage}" if plan.zero_stage else "")
+    if plan.offload_optimizer != "none":
+        par += "+off"
+    dims = f"dp{plan.dp}" + (f"xtp{plan.tp}" if plan.tp > 1 else "") + (f"xpp{plan.pp}" if plan.pp > 1 else "")
+    lora = f" lora{plan.lora_rank}" if plan.is_lora else ""
+    return (f"mb{plan.micro_batch_size}x{plan.seq_len} ga{plan.grad_accum} {plan.precision} "
+            f"{plan.attention} AC={ac}{lora} {par} {dims}")
+
+
+def score(case: ThroughputCase) -> ThroughputOutcome:
+    if case.skip_reason:
+        return ThroughputOutcome(case=case)
+    try:
+        ests = [estimate_step_time(case.model, p, case.hardware) for p in case.plans]
+    except MemkitError as exc:
+        return ThroughputOutcome(case=case, error=str(exc))
+    plan = case.plans[0]
+    step_s = sum(e.step_time_s for e in ests) / len(ests)
+    predicted = plan.tokens_per_step / step_s / plan.num_gpus
+    err = (predicted - case.measured_tps_per_gpu) / case.measured_tps_per_gpu * 100 if case.absolute else None
+    return ThroughputOutcome(case=case, predicted_tps_per_gpu=predicted, error_pct=err, estimate=ests[0])
+
+
+def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
+    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
+    measured figures are not counted."""
+    groups: dict[str, list[ThroughputOutcome]] = {}
+    for o in outcomes:
+        if o.predicted_tps_per_gpu is not None:
+            groups.setdefault(o.case.group, []).append(o)
+    conc = disc = ties = 0
+    for rows in groups.values():
+        for i, a in enumerate(rows):
+            for b in rows[i + 1:]:
+                dm = a.case.measured_tps_per_gpu - b.case.measured_tps_per_gpu
+                dp = a.predicted_tps_per_gpu - b.predicted_tps_per_gpu
+                if dm == 0:
+                    continue
+                if abs(dp) <= 1e-9 * max(a.predicted_tps_per_gpu, b.predicted_tps_per_gpu):
+                    ties += 1
+                elif dm * dp > 0:
+                    conc += 1
+                else:
+                    disc += 1
+    return conc, disc, ties
+
+
+def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:
+    """Per source (or per `key(case)`) and overall: n, median |err| %, signed mean %, share within
+    +-20 %, p75 |err| %, Kendall tau-a (pooled over the groups' pairs) and share of concordant pairs
+    (pairs the prediction ties count in the denominator)."""
+    by: dict[str, list[ThroughputOutcome]] = {}
+    for o in outcomes:
+        by.setdefault(key(o.case) if key else o.case.source_id, []).append(o)
+        by.setdefault("ALL", []).append(o)
+    out = {}
+    for name, rows in by.items():
+        errs = [o.error_pct for o in rows if o.error_pct is not None and math.isfinite(o.error_pct)]
+        absd = sorted(abs(e) for e in errs)
+        conc, disc, ties = rank_agreement(rows)
+        pairs = conc + disc + ties
+        out[name] = {
+            "n_records": len(rows), "n_scored": len(errs),
+            "n_ranked": sum(o.predicted_tps_per_gpu is not None for o in rows),
+            "skipped": sum(bool(o.case.skip_reason) for o in rows), "errors": sum(bool(o.error) for o in rows),
+            "median_abs_pct": _quantile(absd, 0.5), "p75_abs_pct": _quantile(absd, 0.75),
+            "mean_signed_pct": sum(errs) / len(errs) if errs else float("nan"),
+            "within_20_pct": sum(a <= 20 for a in absd) / len(absd) if absd else float("nan"),
+            # a pair the model cannot tell apart (e.g. torch.compile on/off) is not concordant
+            "pairs": pairs, "tied": ties, "concordant": conc / pairs if pairs else float("nan"),
+            "kendall_tau": (conc - disc) / pairs if pairs else float("nan"),   # tau-a
+        }
+    return out
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list (numpy's default 'linear' method)."""
+    if not sorted_values:
+        return float("nan")
+    pos = q * (len(sorted_values) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)

@@ -1,0 +1,98 @@
+"""Time of one GPU kernel from its shape: matmuls, attention, memory-bound elementwise ops.
+
+Pure arithmetic on the GPU catalog's datasheet peaks (presets/gpus.json). Each efficiency below is a
+published measurement of what the kernel reaches on that GPU generation (or says plainly that it is
+an assumption), not a fit to memkit's throughput benchmark (benchmarks/throughput_accuracy.py).
+"""
+from __future__ import annotations
+
+import math
+
+from memkit.spec.hardware import GPU
+
+GB = 1e9
+
+MATMUL_EFFICIENCY = {
+    # 16-bit tensor-core GEMM, largest well-shaped sizes: "Maximum Achievable Matmul FLOPS" table,
+    # stas00/ml-engineering compute/accelerator/README.md (A100 SXM 267.9/312 = 85.9 %, H100 SXM
+    # 792.1/989 = 80.1 %, MI300X 781.9/1300 = 60.1 %). Volta: cuBLAS FP16 GEMM M=N=K=8192 on a V100
+    # reaches ~101 of 112 TFLOP/s = 90 % (NVIDIA developer forum, "Understanding IPC and issue slot
+    # utilization when using Tensor Cores", 2019); Turing taken as Volta (same tensor-core
+    # generation per SM), Ada as Ampere (same SM tensor-core design).
+    "tensor": {"volta": 0.90, "turing": 0.90, "ampere": 0.859, "ada": 0.859, "hopper": 0.801, "cdna3": 0.601},
+    # fp32 GEMM on CUDA cores (PyTorch keeps TF32 off for matmuls since 1.12,
+    # torch.backends.cuda.matmul.allow_tf32). Assumption, not a measurement: the same ~90 %
+    # best-shape share cuBLAS reaches with tensor cores on Volta.
+    "fp32": {"volta": 0.90, "turing": 0.90, "ampere": 0.90, "ada": 0.90, "hopper": 0.90, "cdna3": 0.90},
+}
+
+FLASH_ATTENTION_EFFICIENCY = {"ampere": 0.50, "ada": 0.50, "hopper": 0.35, "cdna3": 0.35}
+"""Fraction of the 16-bit peak a flash-attention kernel (forward + backward) reaches, on the FLOPs
+MFU tables count for attention (flops.py: 4·T·H·Q per token forward, twice that backward).
+Ampere: FlashAttention-2 reaches 50-73 % of the A100 peak (Dao 2023, abstract and Sec. 4.1; the
+backward is at the low end); Hopper: FlashAttention-2 "achieves only 35 % utilization" on H100
+(Shah et al. 2024, FlashAttention-3, Sec. 1). Volta/Turing have no flash kernel (FA2 needs sm80+);
+PyTorch SDPA picks its memory-efficient kernel there, whose utilisation is not published, so
+attention there is priced as eager matmuls plus score-matrix traffic (an upper bound on time)."""
+
+SUSTAINED_CLOCK_FRACTION = {"ampere": 1305 / 1410, "hopper": 702.9 / 828.0}
+"""Training is one long power-saturated run, so tensor-core kernels run at the clock the GPU
+sustains at its power limit, below the boost clock short benchmarks (MAMF, kernel papers) catch.
+Hopper: mamf-finder's sustained vs burst figures on an H200 (same SM and power limit as H100 SXM),
+MSMF 702.9 vs MAMF 828.0 TFLOP/s with the GPU alone (ml-engineering
+compute/accelerator/benchmarks/README.md, "MAMF & MSMF", "What we measured: alone vs all-8
+concurrent"). Ampere: the clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of 1410
+MHz (G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Other generations: no published
+sustained figure, 1.0. HBM bandwidth does not follow the SM clock, so memory-bound kernels keep
+HBM_EFFICIENCY."""
+
+HBM_EFFICIENCY = 0.85
+"""Achievable share of datasheet DRAM bandwidth for streaming kernels: BabelStream on A100/V100
+reaches ~85-90 % (Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel
+programming models via BabelStream"; NVIDIA's own A100 copy figure ~1.4 of 1.55 TB/s)."""
+
+TILE = 128
+"""cuBLAS tensor-core thread-block tile edge: M and N round up to it (NVIDIA, "Matrix Multiplication
+Background User's Guide", Sec. "Tile quantization")."""
+
+
+def matmul_peak_flops(gpu: GPU, precision: str) -> float:
+    return gpu.peak_tflops(precision) * 1e12
+
+
+def sustained_clock_fraction(gpu: GPU) -> float:
+    return SUSTAINED_CLOCK_FRACTION.get(gpu.arch, 1.0)
+
+
+def matmul_efficiency(gpu: GPU, precision: str) -> float:
+    """Achievable share of peak for a well-shaped GEMM at the sustained clock."""
+    kind = "fp32" if precision == "fp32" else "tensor"
+    return MATMUL_EFFICIENCY[kind].get(gpu.arch, MATMUL_EFFICIENCY[kind]["ampere"]) * sustained_clock_fraction(gpu)
+
+
+def gemm_time_s(gpu: GPU, precision: str, m: float, n: float, k: float, *, batch: float = 1.0) -> float:
+    """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: the slower of its math (tile-quantised, at the
+    achievable matmul rate) and its HBM traffic (roofline, Williams et al. 2009)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    elt = 4 if precision == "fp32" else 2
+    quant = (math.ceil(m / TILE) * TILE / m) * (math.ceil(n / TILE) * TILE / n) if precision != "fp32" else 1.0
+    math_s = batch * 2.0 * m * n * k * quant / (matmul_peak_flops(gpu, precision) * matmul_efficiency(gpu, precision))
+    bytes_s = batch * elt * (m * k + k * n + m * n) / (gpu.hbm_gbps * GB * HBM_EFFICIENCY)
+    return max(math_s, bytes_s)
+
+
+def memory_time_s(gpu: GPU, num_bytes: float) -> float:
+    """A memory-bound kernel: bytes read + written over achievable HBM bandwidth (roofline)."""
+    return num_bytes / (gpu.hbm_gbps * GB * HBM_EFFICIENCY)
+
+
+def has_flash_kernel(gpu: GPU, precision: str) -> bool:
+    """FlashAttention-2 / PyTorch SDPA's flash backend: 16-bit inputs on sm80+ (Dao-AILab
+    flash-attention README 'Requirements'; torch sdp_utils check_sm_version / check_dtype)."""
+    return precision != "fp32" and gpu.arch in FLASH_ATTENTION_EFFICIENCY
+
+
+def flash_attention_time_s(gpu: GPU, precision: str, counted_flops: float) -> float:
+    rate = matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch] * sustained_clock_fraction(gpu)
+    return counted_flops / rate
