@@ -122,9 +122,10 @@ def device_peak_bytes(est: MemoryEstimate) -> int:
 class _Evaluator:
     """Memoised memory estimates and the feasibility verdict for one request."""
 
-    def __init__(self, request: Request, estimator):
+    def __init__(self, request: Request, estimator, *, fit_upper: bool = True):
         self.request = request
         self.estimator = estimator
+        self.fit_upper = fit_upper
         self.budget = request.budget_bytes
         self.num_calls = 0
         self._cache: dict[TrainingPlan, _Verdict] = {}
@@ -145,7 +146,7 @@ class _Evaluator:
         # The upper bound (prediction + p90 margin, estimate/bounds.py) must fit the device itself:
         # the headroom is what absorbs memkit's error.
         upper = est.nvidia_smi_peak_upper_bytes / hw.gpu.memory_bytes
-        upper_fails = upper > 1.0 >= device
+        upper_fails = self.fit_upper and upper > 1.0 >= device
         host = est.host_bytes_per_node / hw.host_ram_bytes_per_node
         nvme = est.nvme_bytes_per_node / hw.nvme_bytes_per_node if hw.nvme_bytes_per_node else 0.0
         ratios = [(device, f"{device_peak_bytes(est) / GIB:.1f} GiB > {self.budget / GIB:.1f} GiB budget"),
@@ -165,9 +166,29 @@ class _Evaluator:
         return estimate_step_time(self.request.model, plan, self.request.hardware)
 
 
+UPPER_BOUND_FALLBACK_NOTE = ("no plan keeps its p90 upper bound inside the device; chose the best plan whose "
+                             "prediction fits the budget -- it may run out of memory (see its upper bound)")
+
+
 def search(request: Request, *, estimator=None, num_alternatives: int = 4,
            num_rejections: int = 6) -> SearchResult:
-    """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input."""
+    """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input. A plan
+    fits when its prediction is inside the budget and its p90 upper bound inside the device; when
+    no plan does both, the best one inside the budget is chosen and the result says so."""
+    try:
+        return _search(request, estimator=estimator, num_alternatives=num_alternatives,
+                       num_rejections=num_rejections, fit_upper=True)
+    except NoPlanFits as strict:
+        try:
+            result = _search(request, estimator=estimator, num_alternatives=num_alternatives,
+                             num_rejections=num_rejections, fit_upper=False)
+        except NoPlanFits:
+            raise strict from None
+        return replace(result, notes=result.notes + (UPPER_BOUND_FALLBACK_NOTE,))
+
+
+def _search(request: Request, *, estimator, num_alternatives: int, num_rejections: int,
+            fit_upper: bool) -> SearchResult:
     if estimator is None:
         from memkit.estimate.memory import estimate_memory as estimator
     request.validate()
@@ -177,7 +198,7 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
     if request.global_batch_size % num_gpus and all(dp < num_gpus for _, _, dp in lays):
         notes.append(f"global batch {request.global_batch_size} is not divisible by {num_gpus} GPUs; only "
                      f"layouts with data-parallel degree {sorted({dp for _, _, dp in lays})} are possible")
-    ev = _Evaluator(request, estimator)
+    ev = _Evaluator(request, estimator, fit_upper=fit_upper)
     all_rejected: list[Rejection] = []
     num_structures = 0
     tier_list = tiers(request)
