@@ -23,15 +23,14 @@ def read_document(path_text: str) -> dict:
     path = Path(path_text)
     if path.is_dir():
         path = path / "plan.json"
-    if not path.is_file():
-        raise MemkitError(f"{path_text}: no such file; pass the plan.json that `memkit suggest --out DIR` wrote")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    from memkit.cli.validate import check_plan_document
+    from memkit.fileio import read_json_object
+
+    doc = read_json_object(path, fix="pass the plan.json that `memkit suggest --out DIR` wrote")
     missing = [k for k in ("plan", "model", "hardware", "estimate", "step_time") if k not in doc]
     if missing:
         raise MemkitError(f"{path} lacks {', '.join(missing)}: not a memkit plan.json")
+    check_plan_document(doc, where=str(path))
     return doc
 
 

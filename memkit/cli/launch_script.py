@@ -85,11 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
 def read_hostfile(path: str) -> tuple[list[str], int | None]:
     """Hosts in order, and their common slots=N if the file gives it."""
-    file = Path(path)
-    if not file.is_file():
-        raise MemkitError(f"--hostfile {path}: no such file")
+    from memkit.fileio import read_text
+
     hosts, slots = [], set()
-    for line_no, line in enumerate(file.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(read_text(path, what="--hostfile").splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue

@@ -36,7 +36,9 @@ def read_accelerate_config(path: Path) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        from memkit.fileio import read_text
+
+        data = yaml.safe_load(read_text(path, what="accelerate config"))
     except yaml.YAMLError as exc:
         raise MemkitError(f"{path} is not YAML ({exc})") from None
     if not isinstance(data, dict):

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from memkit.cli.validate import check_args, harden
 from memkit.errors import MemkitError
 
 COMMANDS = {
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
-    return parser
+    return harden(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_args(args)  # ranges, paths, data: before anything is launched or written
         return int(args._run(args) or 0)
     except MemkitError as exc:
-        sys.stderr.write(f"memkit: error: {exc}\n")
+        sys.stderr.write(f"memkit: error: {' '.join(str(exc).split())}\n")  # one line, always
         return exc.exit_code
     except BrokenPipeError:  # `memkit ... | head`
         sys.stderr.close()

@@ -13,7 +13,6 @@ No torch or transformers import here: config work is instant (STYLE.md, litgpt).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -128,20 +127,9 @@ def _cached_hub_config(repo_id: str) -> Path | None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise MemkitError(f"config file {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise MemkitError(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"{str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}; "
-                          "fix the file or fetch it again") from None
-    if not isinstance(data, dict):
-        raise MemkitError(f"{str(path)!r} holds a JSON {type(data).__name__}, not a config object")
-    return data
+    from memkit.fileio import read_json_object  # OS/decoding/JSON errors as one line
+
+    return read_json_object(path, what="config file")
 
 
 # ---------------------------------------------------------------- config access

@@ -117,15 +117,14 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, decay
 def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
     """(plan, whole document) from a plan.json written by `memkit suggest --out`."""
     path = Path(path)
-    if not path.is_file():
-        raise MemkitError(f"--plan {path}: no such file; `memkit suggest --out DIR` writes DIR/plan.json")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"--plan {path} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
+    from memkit.cli.validate import check_plan_fields
+    from memkit.fileio import read_json_object
+
+    doc = read_json_object(path, what="--plan", fix="`memkit suggest --out DIR` writes DIR/plan.json")
+    if not isinstance(doc.get("plan"), dict):
         raise MemkitError(f"--plan {path} has no 'plan' object; pass the plan.json that memkit suggest wrote")
-    return TrainingPlan.from_dict(doc["plan"]), doc
+    check_plan_fields(doc["plan"], where=f"--plan {path}")
+    return TrainingPlan.from_dict(doc["plan"]).validate(), doc
 
 
 def plan_model_name(doc: dict) -> str | None:
@@ -171,6 +170,17 @@ def _same(knob: str, plan_value, file_value) -> bool:
     return plan_value == file_value
 
 
+def check_flags(plan: TrainingPlan, flags: dict) -> None:
+    """MemkitError if a given plan flag (not None) contradicts plan.json (the plan is what was estimated)."""
+    for knob, value in flags.items():
+        if value is None:
+            continue
+        value = tuple(value) if knob == "lora_targets" else value
+        if not _same(knob, getattr(plan, knob), value):
+            raise MemkitError(f"--{knob.replace('_', '-')} {value} contradicts plan.json "
+                              f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+
+
 def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | None, world_size: int,
                  distributed_type: str, config_file_hint: str = "the DeepSpeed file") -> TrainingPlan:
     """The plan this run executes, with every source agreeing.
@@ -187,10 +197,7 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
     if "lora_targets" in flags:
         flags["lora_targets"] = tuple(flags["lora_targets"])
     if plan is not None:
-        for knob, value in flags.items():
-            if not _same(knob, getattr(plan, knob), value):
-                raise MemkitError(f"--{knob.replace('_', '-')} {value} contradicts plan.json "
-                                  f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+        check_flags(plan, flags)
         result = plan
     else:
         result = TrainingPlan(**flags)
@@ -278,7 +285,9 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
     if save_every:
         raise MemkitError(f"--save-every {save_every} with {what}: checkpoints of tensor/pipeline-split runs "
                           "are not supported yet; drop --save-every")
-    spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
+    from memkit.fileio import read_json_object
+
+    spec = spec_from_config(read_json_object(config_path), name=model_name,
                             config_path=str(config_path))
     hw = (plan_doc or {}).get("hardware") or {}
     try:

@@ -6,7 +6,6 @@ Nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +60,9 @@ def load_config(source: ModelSource):
     """The transformers config, read from the local file (no hub access)."""
     from transformers import AutoConfig
 
-    data = json.loads(source.config_path.read_text())
+    from memkit.fileio import read_json_object
+
+    data = read_json_object(source.config_path, what="config file")
     model_type = data.pop("model_type", None)
     if model_type is None:
         raise MemkitError(f"{source.config_path} has no 'model_type'; is it a transformers config.json?")
