@@ -21,10 +21,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from memkit.errors import MemkitError
+from memkit.plan import MAX_MICRO_BATCH  # one bound for the flag and the planner's search
 
-MAX_MICRO_BATCH = 65_536
-"""Largest micro-batch (sequences per GPU per step) accepted or searched. The planner's batch
-factorisation (planner/space.py) looks for divisors up to this bound only."""
 MAX_GLOBAL_BATCH = 10**12
 """Sequences per optimizer step: 10^12 is ~10^8 x the largest published LLM batches (GPT-3:
 3.2M tokens = 1,563 sequences; Brown et al. 2020, Table 2.1); beyond it is a typo."""
