@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import os
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -127,3 +128,10 @@ def check_text_file(path, *, what: str = "", fix: str = "") -> Path:
 
 def finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def temp_beside(path) -> Path:
+    """A hidden temporary name in `path`'s folder with the same suffix (matplotlib infers the format
+    from it): write there, then os.replace onto `path`, so a failure never leaves half a file."""
+    p = Path(path)
+    return p.with_name(f".{p.stem}.memkit-tmp-{os.getpid()}{p.suffix}")

@@ -164,20 +164,32 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     doc = document_for(result, lr=args.lr, elapsed_s=elapsed)
     written = []
-    if args.out:
-        from memkit.emit.bundle import bundle_files, write_bundle
+    plot_tmp = None
+    try:
+        if args.plot:  # drawn first, beside its target: a plot that fails leaves --out untouched
+            from memkit.fileio import temp_beside
+            from memkit.plot import plot_estimates
 
-        files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
-                             largest_param_numel=_largest_param(request.model),
-                             main_process_ip=args.main_process_ip)
-        written = [str(p) for p in write_bundle(args.out, files)]
-    if args.plot:
-        from memkit.plot import plot_estimates
+            items = [(f"chosen: {result.chosen.label}", result.chosen.memory)]
+            items += [(f"alt {i}: {c.label}", c.memory) for i, c in enumerate(result.alternatives, 1)]
+            plot_tmp = temp_beside(args.plot)
+            plot_estimates(items, path=str(plot_tmp), budget_bytes=request.budget_bytes,
+                           title=f"{request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name}")
+        if args.out:
+            from memkit.emit.bundle import bundle_files, write_bundle
 
-        items = [(f"chosen: {result.chosen.label}", result.chosen.memory)]
-        items += [(f"alt {i}: {c.label}", c.memory) for i, c in enumerate(result.alternatives, 1)]
-        plot_estimates(items, path=args.plot, budget_bytes=request.budget_bytes,
-                       title=f"{request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name}")
+            files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
+                                 largest_param_numel=_largest_param(request.model),
+                                 main_process_ip=args.main_process_ip)
+            written = [str(p) for p in write_bundle(args.out, files)]  # all or nothing
+    except BaseException:
+        if plot_tmp is not None:
+            plot_tmp.unlink(missing_ok=True)
+        raise
+    if plot_tmp is not None:
+        import os
+
+        os.replace(plot_tmp, args.plot)
         written.append(args.plot)
     if args.json:
         out = dict(doc)
