@@ -223,7 +223,7 @@ def _report_no_fit(args, request, exc) -> int:
     else:
         rows = [[m.label, m.reason, "; and ".join(m.needs) or "-"] for m in exc.misses]
         print(f"No plan fits {request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name} "
-              f"(budget {request.budget_bytes / GIB:.1f} GiB per GPU). Nearest misses:")
+              f"(budget {request.budget_bytes / GIB:.1f} GiB per GPU)." + (" Nearest misses:" if rows else ""))
         if rows:
             print(format_table(["plan", "why it does not fit", "what it would need"], rows))
     sys.stderr.write(f"memkit: error: {exc}\n")
