@@ -115,10 +115,14 @@ def check_range(dest: str, value) -> None:
     lo, hi, what = LIMITS[dest]
     if isinstance(value, float) and not math.isfinite(value):
         raise MemkitError(f"{_flag(dest)} {value} is not a finite number; pass {what} between {lo:g} and {hi:g}")
-    if not lo <= value <= hi:
-        raise MemkitError(f"{_flag(dest)} {value:g} is out of range: pass {what} between {lo:g} and {hi:g}"
-                          if isinstance(value, float) else
-                          f"{_flag(dest)} {value} is out of range: pass {what} between {lo:,} and {hi:,}")
+    if lo <= value <= hi:
+        return
+    if isinstance(value, float) or isinstance(lo, float):
+        raise MemkitError(f"{_flag(dest)} {value:g} must be between {lo:g} and {hi:g} ({what})")
+    if value < lo and lo in (0, 1):
+        kind = "a positive integer" if lo == 1 else "an integer >= 0"
+        raise MemkitError(f"{_flag(dest)} {value} must be {kind} ({what}, at most {hi:,})")
+    raise MemkitError(f"{_flag(dest)} {value} must be between {lo:,} and {hi:,} ({what})")
 
 
 def check_args(args: argparse.Namespace) -> None:
