@@ -233,8 +233,9 @@ def check_data(source: str, *, seq_len: int | None) -> None:
                 raise MemkitError(f"--data {source}: N must be a positive integer in ASCII digits, e.g. synthetic:256")
             tokens = int(count) * (seq_len or 1)
             if tokens > MAX_SYNTHETIC_TOKENS:
-                raise MemkitError(f"--data {source}: {int(count):,} sequences x {seq_len or 1} tokens is more than "
-                                  f"{MAX_SYNTHETIC_TOKENS:,} synthetic tokens held in memory; pass a smaller N")
+                shape = f"{int(count):,} sequences" + (f" x {seq_len} tokens" if seq_len else "")
+                raise MemkitError(f"--data {source}: {shape} is more than {MAX_SYNTHETIC_TOKENS:,} synthetic "
+                                  "tokens held in memory; pass a smaller N")
         return
     path = Path(source)
     if path.is_dir():
@@ -242,6 +243,8 @@ def check_data(source: str, *, seq_len: int | None) -> None:
     from memkit.fileio import check_text_file
 
     check_text_file(path, what="--data", fix="pass a .jsonl, .txt, a datasets folder or 'synthetic'")
+    if path.stat().st_size == 0:
+        raise MemkitError(f"--data {source} is empty; it needs at least one record")
 
 
 def check_resume_path(resume: str) -> None:

@@ -172,6 +172,8 @@ class _Cfg:
     def check_int(self, key: str, value) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MemkitError(f"{self.source}: {key}={value!r} must be a positive integer")
+        if value >= 2**31:  # no released model comes near; sizes past int32 are a typo (issue 11)
+            raise MemkitError(f"{self.source}: {key}={value} is implausibly large (>= 2^31); fix the config")
         return value
 
     def flag(self, key: str, default: bool) -> bool:

@@ -117,14 +117,13 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, decay
 def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
     """(plan, whole document) from a plan.json written by `memkit suggest --out`."""
     path = Path(path)
-    from memkit.cli.validate import check_plan_fields
+    from memkit.cli.validate import check_plan_document
     from memkit.fileio import read_json_object
 
     doc = read_json_object(path, what="--plan", fix="`memkit suggest --out DIR` writes DIR/plan.json")
     if not isinstance(doc.get("plan"), dict):
         raise MemkitError(f"--plan {path} has no 'plan' object; pass the plan.json that memkit suggest wrote")
-    check_plan_fields(doc["plan"], where=f"--plan {path}")
-    return TrainingPlan.from_dict(doc["plan"]).validate(), doc
+    return check_plan_document(doc, where=f"--plan {path}"), doc  # every field memkit wrote, typed
 
 
 def plan_model_name(doc: dict) -> str | None:
