@@ -79,8 +79,8 @@ def parse_json(text: str, *, what: str = "", path="") -> object:
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        raise MemkitError(f"{_label(what, path)} is not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                          f"{exc.colno}); fix the file or write it again") from None
+        raise MemkitError(f"{_label(what, path)} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                          f"{exc.colno}; fix the file or write it again") from None
     except ValueError as exc:  # _reject_constant, or a number too long to convert
         raise MemkitError(f"{_label(what, path)} is not valid JSON ({exc}); fix the file or write it again") from None
     except RecursionError:
@@ -91,11 +91,11 @@ def read_json(path, *, what: str = "", fix: str = "") -> object:
     return parse_json(read_text(path, what=what, fix=fix), what=what, path=path)
 
 
-def read_json_object(path, *, what: str = "", fix: str = "") -> dict:
+def read_json_object(path, *, what: str = "", fix: str = "", noun: str = "JSON object") -> dict:
     """A file holding one JSON object (a config.json, a plan.json)."""
     data = read_json(path, what=what, fix=fix)
     if not isinstance(data, dict):
-        raise MemkitError(f"{_label(what, path)} holds a JSON {type(data).__name__}, not an object"
+        raise MemkitError(f"{_label(what, path)} holds a JSON {type(data).__name__}, not a {noun}"
                           + (f"; {fix}" if fix else ""))
     return data
 

@@ -129,7 +129,7 @@ def _cached_hub_config(repo_id: str) -> Path | None:
 def _read_json(path: Path) -> dict:
     from memkit.fileio import read_json_object  # OS/decoding/JSON errors as one line
 
-    return read_json_object(path, what="config file")
+    return read_json_object(path, what="config file", noun="config object")
 
 
 # ---------------------------------------------------------------- config access

@@ -78,12 +78,8 @@ class CheckpointManager:
         if acc.is_main_process:
             _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
         acc.wait_for_everyone()
-        files = _file_digests(tmp, _my_share(_listing(tmp), acc))  # every rank hashes a share
-        files = dict(_gather(sorted(files.items()), acc))
+        write_manifest(tmp, step=step, accelerator=acc)
         if acc.is_main_process:
-            _write_atomic(tmp / MANIFEST, json.dumps({"format_version": MANIFEST_VERSION, "step": step,
-                                                      "world_size": acc.num_processes, "files": files},
-                                                     indent=1, sort_keys=True))
             for dirpath, _, filenames in os.walk(tmp):
                 for name in filenames:
                     _fsync_path(Path(dirpath) / name)
@@ -158,7 +154,7 @@ def resolve_resume(resume: str | None, manager: CheckpointManager) -> Path | Non
     job's first run). A path: that checkpoint, verified."""
     if resume is None:
         return None
-    main = manager.accelerator.is_main_process
+    main = _rank(manager.accelerator) == 0
     if resume == "latest":
         found = manager.candidates()
         skipped = []
@@ -189,6 +185,16 @@ def resolve_resume(resume: str | None, manager: CheckpointManager) -> Path | Non
 
 # ---- the manifest -----------------------------------------------------------------------------
 
+def write_manifest(folder: Path, *, step: int, accelerator) -> None:
+    """Collective: every rank hashes its share of `folder`'s files; rank 0 writes manifest.json."""
+    files = _file_digests(folder, _my_share(_listing(folder), accelerator))
+    files = dict(_gather(sorted(files.items()), accelerator))
+    if _rank(accelerator) == 0:
+        _write_atomic(folder / MANIFEST, json.dumps({"format_version": MANIFEST_VERSION, "step": step,
+                                                     "world_size": _world(accelerator), "files": files},
+                                                    indent=1, sort_keys=True))
+
+
 def _listing(folder: Path) -> list[str]:
     """Every file under `folder` (relative POSIX paths, sorted) except the manifest itself."""
     out = []
@@ -200,8 +206,17 @@ def _listing(folder: Path) -> list[str]:
     return sorted(out)
 
 
+def _rank(accelerator) -> int:
+    return 0 if accelerator is None else accelerator.process_index
+
+
+def _world(accelerator) -> int:
+    return 1 if accelerator is None else accelerator.num_processes
+
+
 def _my_share(names: list[str], accelerator) -> list[str]:
-    return names[accelerator.process_index::accelerator.num_processes]
+    """This rank's files to hash (all of them in a single process, accelerator None)."""
+    return names[_rank(accelerator)::_world(accelerator)]
 
 
 def _sha256(path: Path) -> str:
@@ -215,7 +230,7 @@ def _file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
 
 def _gather(items: list, accelerator) -> list:
     """Every rank's `items`, concatenated in rank order, on every rank (torch all_gather_object)."""
-    if accelerator.num_processes == 1:
+    if _world(accelerator) == 1:
         return list(items)
     from accelerate.utils import gather_object
 
@@ -234,7 +249,7 @@ def _check_manifest(folder: Path, accelerator) -> str | None:
     """This rank's share of the verification: None if its files match the manifest."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():  # from before manifests: published atomically, not verifiable
-        if accelerator.is_main_process:
+        if _rank(accelerator) == 0:
             print(f"memkit: checkpoint {folder} has no {MANIFEST} (written by an older memkit); its files "
                   "are not verified", file=sys.stderr)
         return None
