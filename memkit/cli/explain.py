@@ -58,7 +58,10 @@ def _recheck(doc: dict) -> dict:
     from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
     from memkit.spec.hf import load_model_spec
 
+    from memkit.cli.validate import check_hardware_sizes
+
     hw = doc["hardware"]
+    check_hardware_sizes(hw, where="plan.json")
     try:
         gpu = find_gpu(hw["gpu"])
     except MemkitError:

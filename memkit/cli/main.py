@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `memkit ... | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the file system said no after the checks (disk full, a race): one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        sys.stderr.write(f"memkit: error: {where}{exc.strerror or exc}; check the path, its permissions "
+                         "and free space\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("memkit: interrupted\n")
         return 130

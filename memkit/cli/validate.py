@@ -299,6 +299,15 @@ def _number(doc: dict, section: str, key: str, *, where: str, positive: bool = F
                           "fix the file or make it again with memkit suggest --out")
 
 
+def check_hardware_sizes(hw: dict, *, where: str) -> None:
+    """What `explain --check` rebuilds the Hardware from: host RAM, and the GPU's memory (a custom GPU)."""
+    for key in ("host_ram_bytes_per_node", "gpu_memory_bytes"):
+        value = hw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MemkitError(f"{where}: hardware.{key} is {value!r}, not a positive byte count; --check "
+                              "needs it (make the file again with memkit suggest --out)")
+
+
 def check_plan_document(doc: dict, *, where: str):
     """The fields `explain` renders and `verify`/`train` read; returns the validated TrainingPlan."""
     from memkit.plan import TrainingPlan

@@ -82,6 +82,10 @@ def _plan_changes(doc: dict, kind: str):
         del d["estimate"]
     elif kind == "nodes-0":
         d["hardware"]["num_nodes"] = 0
+    elif kind == "no-host-ram":
+        del d["hardware"]["host_ram_bytes_per_node"]
+    elif kind == "unknown-model":
+        d["model"] = "no-such-model"
     elif kind == "plan-is-list":
         d["plan"] = [1, 2]
     elif kind == "rejected-zero-time":
@@ -164,6 +168,8 @@ def _cases() -> list[tuple[str, list[str]]]:
         cases.append((f"verify-plan-{kind}", [ver[0], "--plan", f"{{plan_{kind}}}", *ver[3:]]))
         cases.append((f"train-plan-{kind}", [trn[0], "--plan", f"{{plan_{kind}}}", *trn[3:]]))
         cases.append((f"launch-script-plan-{kind}", [lsc[0], "--plan", f"{{plan_{kind}}}", *lsc[3:]]))
+    for kind in ("no-host-ram", "unknown-model"):  # only `explain --check` rebuilds these
+        cases.append((f"explain-check-{kind}", ["explain", "--check", f"{{plan_{kind}}}"]))
     cases.append(("explain-missing", ["explain", "{work}/nothing/plan.json"]))
     cases.append(("explain-through-file", ["explain", "{afile}/plan.json"]))
 
@@ -272,6 +278,11 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             text = _plan_changes(doc, kind)
             target.write_bytes(text if isinstance(text, bytes) else text.encode())
         paths[f"plan_{kind}"] = str(target)
+    for kind in ("no-host-ram", "unknown-model"):
+        folder = work / "plans" / kind
+        shutil.copytree(bundle, folder)
+        (folder / "plan.json").write_text(_plan_changes(doc, kind))
+        paths[f"plan_{kind}"] = str(folder / "plan.json")
     alone = work / "plan-alone"
     alone.mkdir()
     shutil.copy(bundle / "plan.json", alone / "plan.json")
@@ -307,3 +318,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, inputs, capsys, m
     assert err.strip() and "Traceback" not in err + out, err + out
     assert _snapshot(work) == before, "a failed command changed files"
     assert not any(name.startswith(".memkit") for name in os.listdir(work))
+
+
+def test_resuggest_pipeline_plan_removes_stale_deepspeed_file(inputs, tmp_path):
+    """A pipeline plan has no ds_config.json: re-suggesting one into an old DeepSpeed bundle removes
+    the stale file (an accelerate.yaml beside an unrelated ds_config.json would mislead), keeps
+    other files in the folder, and leaves no temporary folder behind."""
+    out = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], out)
+    (out / "notes.txt").write_text("mine\n")
+    assert (out / "ds_config.json").is_file()
+    code = main(["suggest", "--model", inputs["tiny"], "--gpu", "a100-80gb", "--num-gpus", "2", "--seq-len", "64",
+                 "--global-batch-size", "8", "--pp", "2", "--zero", "0", "--out", str(out)])
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "accelerate.yaml", "notes.txt", "plan.json"]
+    assert json.loads((out / "plan.json").read_text())["plan"]["pp"] == 2
