@@ -368,7 +368,12 @@ def check_run(args: argparse.Namespace) -> None:
         check_flags(plan, flags)
     else:
         TrainingPlan(**{k: v for k, v in flags.items() if v is not None}).validate()
-    if getattr(args, "model", None):
-        from memkit.spec.hf import load_model_spec
+    if getattr(args, "model", None):  # the model the run will build: memkit's shape checks, as `estimate`
+        from memkit.fileio import read_json_object       # says them (hidden % heads, sizes), for the
+        from memkit.spec.hf import SUPPORTED_MODEL_TYPES, spec_from_config  # families memkit knows;
+        from memkit.train.model import resolve_model     # transformers checks the others in prepare()
 
-        load_model_spec(args.model)  # hidden % heads and the other shape checks, as `estimate` says them
+        source = resolve_model(args.model)
+        config = read_json_object(source.config_path, what="config file", noun="config object")
+        if config.get("model_type") in SUPPORTED_MODEL_TYPES:
+            spec_from_config(config, name=args.model, config_path=str(source.config_path))

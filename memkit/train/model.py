@@ -67,10 +67,15 @@ def load_config(source: ModelSource):
     if model_type is None:
         raise MemkitError(f"{source.config_path} has no 'model_type'; is it a transformers config.json?")
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 config validators
+    except ImportError:  # older huggingface_hub
+        StrictDataclassError = ValueError
+    try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as exc:
+    except (ValueError, StrictDataclassError) as exc:
+        reason = " ".join(str(exc).split())  # its validator's multi-line text, as one line
         raise MemkitError(f"{source.config_path}: transformers cannot build model_type {model_type!r} "
-                          f"({exc})") from None
+                          f"({reason})") from None
 
 
 def max_positions(config) -> int | None:
