@@ -240,6 +240,9 @@ def check_data(source: str, *, seq_len: int | None) -> None:
     path = Path(source)
     if path.is_dir():
         return
+    if not path.exists():
+        raise MemkitError(f"--data {source}: no such file or folder; pass a .jsonl, .txt, a datasets folder "
+                          "(save_to_disk) or 'synthetic'")
     from memkit.fileio import check_text_file
 
     check_text_file(path, what="--data", fix="pass a .jsonl, .txt, a datasets folder or 'synthetic'")
