@@ -43,6 +43,9 @@ def read_accelerate_config(path: Path) -> dict:
         raise MemkitError(f"{path} is not YAML ({exc})") from None
     if not isinstance(data, dict):
         raise MemkitError(f"{path} is not an accelerate config (expected a mapping)")
+    if not {"distributed_type", "compute_environment"} & set(data):  # what `accelerate config` always writes
+        raise MemkitError(f"{path} is not an accelerate config (no distributed_type); pass the accelerate.yaml "
+                          "that memkit suggest --out wrote")
     return data
 
 

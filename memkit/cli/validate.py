@@ -128,6 +128,10 @@ def check_range(dest: str, value) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Range- and path-check every flag `args` has; MemkitError on the first bad one."""
     command = getattr(args, "command", None)
+    for dest, value in vars(args).items():  # the OS refuses such paths with a ValueError, not an OSError
+        texts = value if isinstance(value, list) else [value]
+        if any(isinstance(t, str) and "\x00" in t for t in texts):
+            raise MemkitError(f"{_flag(dest)} contains a NUL byte; pass plain text")
     for dest in LIMITS:
         value = getattr(args, dest, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -167,10 +171,12 @@ def check_args(args: argparse.Namespace) -> None:
         from memkit.fileio import check_file
 
         check_file(args.hostfile, what="--hostfile")
-    if getattr(args, "data", None) and command in ("train", "verify", None):
+    if getattr(args, "data", None) is not None and command in ("train", "verify", None):
         check_data(args.data, seq_len=getattr(args, "seq_len", None))
     if getattr(args, "resume", None) not in (None, "latest"):
         check_resume_path(args.resume)
+    if command == "verify" and getattr(args, "model", None) is not None:
+        check_model(args.model)
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -226,6 +232,8 @@ def plot_formats() -> tuple[str, ...]:
 
 def check_data(source: str, *, seq_len: int | None) -> None:
     """--data: synthetic[:N] with a sane N, a datasets folder, or a readable UTF-8 text file."""
+    if not source.strip():
+        raise MemkitError("--data is empty; pass a .jsonl, .txt, a datasets folder or 'synthetic'")
     if source == "synthetic" or source.startswith("synthetic:"):
         count = source.partition(":")[2]
         if count:
@@ -371,12 +379,23 @@ def check_run(args: argparse.Namespace) -> None:
         check_flags(plan, flags)
     else:
         TrainingPlan(**{k: v for k, v in flags.items() if v is not None}).validate()
-    if getattr(args, "model", None):  # the model the run will build: memkit's shape checks, as `estimate`
-        from memkit.fileio import read_json_object       # says them (hidden % heads, sizes), for the
-        from memkit.spec.hf import SUPPORTED_MODEL_TYPES, spec_from_config  # families memkit knows;
-        from memkit.train.model import resolve_model     # transformers checks the others in prepare()
+    if getattr(args, "model", None) is not None:
+        check_model(args.model)
 
-        source = resolve_model(args.model)
-        config = read_json_object(source.config_path, what="config file", noun="config object")
-        if config.get("model_type") in SUPPORTED_MODEL_TYPES:
-            spec_from_config(config, name=args.model, config_path=str(source.config_path))
+
+def check_model(name: str) -> None:
+    """The model a run will build: found as the runner finds it, and memkit's shape checks (hidden %
+    heads, sizes) as `estimate` says them, for the families memkit knows; transformers checks the
+    others when the run's prepare() builds the config."""
+    from memkit.fileio import read_json_object
+    from memkit.spec.hf import SUPPORTED_MODEL_TYPES, spec_from_config
+    from memkit.train.model import resolve_model
+
+    if not name.strip():
+        raise MemkitError("--model is empty; pass a model folder, a config.json or a catalog name (memkit models)")
+    source = resolve_model(name)
+    config = read_json_object(source.config_path, what="config file", noun="config object")
+    if not isinstance(config.get("model_type"), str):
+        raise MemkitError(f"{source.config_path} has no 'model_type'; is it a transformers config.json?")
+    if config["model_type"] in SUPPORTED_MODEL_TYPES:
+        spec_from_config(config, name=name, config_path=str(source.config_path))

@@ -182,6 +182,12 @@ def _cases() -> list[tuple[str, list[str]]]:
         cases.append((f"verify-data-{value[:16]}", [*ver, "--data", value]))
         cases.append((f"train-data-{value[:16]}", [*trn[:5], "--data", value, *trn[7:]]))
     cases += [
+        ("verify-data-empty-string", [*ver, "--data", ""]),
+        ("verify-model-not-a-config", [*ver, "--model", "{plan}"]),
+        ("verify-model-empty", [*ver, "--model", ""]),
+        ("verify-model-hidden-not-divisible", [*ver, "--model", "{cfg_hidden-not-divisible}"]),
+        ("verify-config-file-not-accelerate", [*ver, "--config-file", "{plan}"]),
+        ("verify-output-dir-nul", [*ver, "--output-dir", "a\x00b"]),
         ("verify-output-dir-is-file", [*ver[:4], "--output-dir", "{afile}"]),
         ("verify-no-config", ["verify", "--plan", "{plan_alone}", "--timeout-s", "1"]),
         ("verify-config-file-binary", [*ver, "--config-file", "{host_binary}"]),
