@@ -23,7 +23,7 @@ def read_document(path_text: str) -> dict:
     path = Path(path_text)
     if path.is_dir():
         path = path / "plan.json"
-    from memkit.cli.validate import check_plan_document
+    from memkit.plan_schema import check_plan_document
     from memkit.fileio import read_json_object
 
     doc = read_json_object(path, fix="pass the plan.json that `memkit suggest --out DIR` wrote")
@@ -58,7 +58,7 @@ def _recheck(doc: dict) -> dict:
     from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
     from memkit.spec.hf import load_model_spec
 
-    from memkit.cli.validate import check_hardware_sizes
+    from memkit.plan_schema import check_hardware_sizes
 
     hw = doc["hardware"]
     check_hardware_sizes(hw, where="plan.json")

@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from memkit.cli.validate import check_args, harden
+from memkit.validate import check_args, harden
 from memkit.errors import MemkitError
 
 COMMANDS = {

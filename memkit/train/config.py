@@ -117,7 +117,7 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, decay
 def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
     """(plan, whole document) from a plan.json written by `memkit suggest --out`."""
     path = Path(path)
-    from memkit.cli.validate import check_plan_document
+    from memkit.plan_schema import check_plan_document
     from memkit.fileio import read_json_object
 
     doc = read_json_object(path, what="--plan", fix="`memkit suggest --out DIR` writes DIR/plan.json")

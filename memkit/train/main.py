@@ -153,7 +153,7 @@ def _oom_report(args, where: str, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memkit.cli.validate import check_args, harden
+    from memkit.validate import check_args, harden
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
     add_arguments(parser)
