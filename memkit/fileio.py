@@ -44,12 +44,28 @@ def check_file(path, *, what: str = "", fix: str = "") -> Path:
     return p
 
 
+def _looks_utf16(head: bytes) -> bool:
+    """A BOM, or ASCII-range UTF-16 without one: every other byte zero, the bytes between not."""
+    if head.startswith(_UTF16_BOMS):
+        return True
+    sample = head[:512] if len(head) % 2 == 0 else head[:511]
+    if len(sample) < 4:
+        return False
+    low, high = sample[0::2], sample[1::2]
+    return (not any(high) and all(low)) or (not any(low) and all(high))
+
+
+def sniff(head: bytes, *, what: str, path) -> None:
+    """UTF-16/32 or binary (NUL bytes) from the first bytes of a file: one line each."""
+    if _looks_utf16(head):
+        raise MemkitError(f"{_label(what, path)} is UTF-16/UTF-32 text; save it as UTF-8")
+    if b"\x00" in head:
+        raise MemkitError(f"{_label(what, path)} is a binary file (it contains NUL bytes), not text")
+
+
 def decode_text(data: bytes, *, what: str, path) -> str:
     """UTF-8 text (an optional UTF-8 BOM is dropped); UTF-16/32, binary and bad UTF-8 are errors."""
-    if data.startswith(_UTF16_BOMS) or (len(data) >= 2 and (data[0] == 0) != (data[1] == 0)):
-        raise MemkitError(f"{_label(what, path)} is UTF-16/UTF-32 text; save it as UTF-8")
-    if b"\x00" in data:
-        raise MemkitError(f"{_label(what, path)} is a binary file (it contains NUL bytes), not text")
+    sniff(data, what=what, path=path)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -110,7 +126,7 @@ def check_text_file(path, *, what: str = "", fix: str = "") -> Path:
             while True:
                 chunk = handle.read(_CHUNK)
                 if offset == 0:
-                    decode_text(chunk[:4096], what=what, path=path)  # UTF-16 / binary signatures
+                    sniff(chunk[:4096], what=what, path=path)
                 if not chunk:
                     decoder.decode(b"", final=True)
                     break

@@ -339,3 +339,19 @@ def test_resuggest_pipeline_plan_removes_stale_deepspeed_file(inputs, tmp_path):
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "accelerate.yaml", "notes.txt", "plan.json"]
     assert json.loads((out / "plan.json").read_text())["plan"]["pp"] == 2
+
+
+def test_text_checks_accept_real_utf8(tmp_path):
+    """The encoding checks refuse only what is wrong: multi-byte UTF-8 across the 4 KiB sniff window
+    and the 1 MiB read chunks, and a UTF-8 BOM, pass; the same text in UTF-16 without a BOM does not."""
+    from memkit.errors import MemkitError
+    from memkit.fileio import check_text_file, read_text
+
+    text = "Grüße, 東京 — ünïcödé\n" * 60_000  # ~1.7 MB: crosses the 1 MiB chunk boundary
+    path = tmp_path / "data.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert check_text_file(path) == path
+    assert read_text(path, max_bytes=4 * 1024**2) == text
+    path.write_bytes("plain ascii text\n".encode("utf-16-le"))
+    with pytest.raises(MemkitError, match="UTF-16"):
+        check_text_file(path, what="--data")
