@@ -245,6 +245,11 @@ def check_data(source: str, *, seq_len: int | None) -> None:
         return
     path = Path(source)
     if path.is_dir():
+        from memkit.train.data import DATASETS_MARKERS
+
+        if not any((path / name).exists() for name in DATASETS_MARKERS):
+            raise MemkitError(f"--data {source} is a folder but not a datasets folder (no "
+                              f"{' / '.join(DATASETS_MARKERS)}); write it with Dataset.save_to_disk or pass a file")
         return
     if not path.exists():
         raise MemkitError(f"--data {source}: no such file or folder; pass a .jsonl, .txt, a datasets folder "

@@ -183,6 +183,7 @@ def _cases() -> list[tuple[str, list[str]]]:
         cases.append((f"train-data-{value[:16]}", [*trn[:5], "--data", value, *trn[7:]]))
     cases += [
         ("verify-data-empty-string", [*ver, "--data", ""]),
+        ("verify-data-plain-folder", [*ver, "--data", "{adir}"]),
         ("verify-model-not-a-config", [*ver, "--model", "{plan}"]),
         ("verify-model-empty", [*ver, "--model", ""]),
         ("verify-model-hidden-not-divisible", [*ver, "--model", "{cfg_hidden-not-divisible}"]),
