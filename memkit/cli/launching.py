@@ -36,11 +36,16 @@ def read_accelerate_config(path: Path) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        from memkit.fileio import read_text
+
+        data = yaml.safe_load(read_text(path, what="accelerate config"))
     except yaml.YAMLError as exc:
         raise MemkitError(f"{path} is not YAML ({exc})") from None
     if not isinstance(data, dict):
         raise MemkitError(f"{path} is not an accelerate config (expected a mapping)")
+    if not {"distributed_type", "compute_environment"} & set(data):  # what `accelerate config` always writes
+        raise MemkitError(f"{path} is not an accelerate config (no distributed_type); pass the accelerate.yaml "
+                          "that memkit suggest --out wrote")
     return data
 
 

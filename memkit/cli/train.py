@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from memkit.train.main import add_arguments as finetune_arguments
     from memkit.train.main import prepare
 
+    from memkit.validate import check_run
+
+    check_run(args)  # flags vs plan.json, the model's shape: before any process starts
     prepare(args, launched=False)  # raises MemkitError (one line, exit 2) on bad data/model/plan
     config_file = accelerate_config_for(args.plan, args.config_file)
     parser = argparse.ArgumentParser(add_help=False)

@@ -3,7 +3,6 @@ file that actually runs) and the RunConfig (everything that is not a memory knob
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +276,9 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
                           "data-parallel plan, which resumes exactly)")
     if save_every:
         raise MemkitError(f"--save-every {save_every} with {what}: {SPLIT_LIMITS}; drop --save-every")
-    spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
+    from memkit.fileio import read_json_object
+
+    spec = spec_from_config(read_json_object(config_path), name=model_name,
                             config_path=str(config_path))
     hardware = PlanDocument({**(plan_doc or {}), "plan": plan.to_dict()}).hardware()
     validate_parallel(spec, plan, hardware)  # the model and the machines the plan was made for

@@ -141,8 +141,12 @@ def _record_kind(record, where: str) -> str:
                       "'completion'")
 
 
+DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""Files `datasets`' save_to_disk writes; a folder without any is not a datasets folder."""
+
+
 def _read_datasets_folder(path: Path) -> tuple[str, list[dict]]:
-    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
+    markers = DATASETS_MARKERS
     if not any((path / name).exists() for name in markers):
         raise MemkitError(f"--data {path} is a folder but not a datasets folder (no "
                           f"{' / '.join(markers)}); write it with Dataset.save_to_disk or pass a file")

@@ -179,15 +179,18 @@ def _oom_report(args, where: str, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memkit.validate import check_args, harden
+
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = harden(parser).parse_args(argv)  # ASCII integers, finite floats
     rank = int(os.environ.get("RANK", "0"))
     # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
     warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        check_args(args)  # ranges, paths, data, --resume: one line before any process group
         prepared = prepare(args)
     except MemkitError as exc:
         if rank == 0:
