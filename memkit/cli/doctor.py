@@ -47,7 +47,7 @@ def _devices() -> dict:
     return info
 
 
-def collect(*, build: bool, clear_stale_locks: bool, say=print) -> dict:
+def collect(*, build: bool, clear_stale_locks: bool, say) -> dict:
     from memkit.train.ops import BUILD_MINUTES, OPS, build_op, extensions_root, find_locks, op_state
 
     root = extensions_root()
@@ -57,7 +57,6 @@ def collect(*, build: bool, clear_stale_locks: bool, say=print) -> dict:
         if lock.stale and clear_stale_locks:
             lock.path.unlink(missing_ok=True)
             report["removed_locks"].append(str(lock.path))
-            say(f"removed stale build lock {lock.path}")
             continue
         report["locks"].append({"path": str(lock.path), "age_s": round(lock.age_s), "stale": lock.stale,
                                 "holders": list(lock.holders) if lock.holders is not None else None,
@@ -120,7 +119,11 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"memkit doctor: {message}", file=sys.stderr, flush=True)
 
-    report = collect(build=args.build, clear_stale_locks=args.clear_stale_locks, say=say)
+    import contextlib
+
+    # DeepSpeed logs to stdout on import; keep stdout for the report (one JSON object with --json).
+    with contextlib.redirect_stdout(sys.stderr):
+        report = collect(build=args.build, clear_stale_locks=args.clear_stale_locks, say=say)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
