@@ -1,10 +1,10 @@
-"""memkit train: `accelerate launch` launch/finetune.py with the plan's accelerate config.
+"""memkit train: `accelerate launch -m memkit.finetune` with the plan's accelerate config.
 
     memkit train --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 is the same as
 
-    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+    accelerate launch --config_file runs/x/accelerate.yaml -m memkit.finetune \\
         --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 The data, model and plan are checked here first, so a bad file is one line and exit code 2
@@ -19,7 +19,7 @@ import sys
 
 from memkit.cli.launching import accelerate_config_for, child_env, launch_command, quote, to_argv
 
-HELP = "fine-tune under a plan: accelerate launch launch/finetune.py with the plan's config"
+HELP = "fine-tune under a plan: accelerate launch -m memkit.finetune with the plan's config"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """memkit verify: run a few steps of a plan on this machine; print predicted vs measured.
 
-It starts `accelerate launch --config_file <plan dir>/accelerate.yaml launch/finetune.py` for
+It starts `accelerate launch --config_file <plan dir>/accelerate.yaml -m memkit.finetune` for
 --steps optimizer steps on synthetic tokens (or --data), then reads the run's report. Running
 out of memory is a result, not a crash: the report says where, and the next-ranked plan from
 plan.json's alternatives that is predicted to need less memory. A run that does not finish

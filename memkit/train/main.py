@@ -1,6 +1,7 @@
-"""Entry point of launch/finetune.py (and `python -m memkit.train.main`) under `accelerate launch`.
+"""The runner's main (`python -m memkit.finetune`, the memkit-finetune script, launch/finetune.py)
+under `accelerate launch`:
 
-    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+    accelerate launch --config_file runs/x/accelerate.yaml -m memkit.finetune \\
         --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 Exit codes: 0 done; 2 bad input (one line on stderr); 3 out of memory (reported, see
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     p.add_argument("--model", help="local model folder, config.json, or catalog name "
                                     "(default: plan.json's model)")
     p.add_argument("--data", required=not for_wrapper,
-                   help=".jsonl (text, or prompt+completion), .txt, a datasets folder, or synthetic[:N]")
+                   help=".jsonl/.json/.csv/.parquet/.txt or a datasets folder: text, prompt+completion, alpaca, "
+                        "chat messages / ShareGPT (memkit.train.records); or synthetic[:N]")
     p.add_argument("--output-dir", required=not for_wrapper, help="log.jsonl, checkpoints/, final/")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default 100)")
     p.add_argument("--num-epochs", type=float,
