@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         report_path.unlink()
     finetune_args = ["--plan", args.plan, "--data", args.data, "--output-dir", str(out_dir),
                      "--max-steps", str(args.steps), "--no-save-final", "--no-progress",
-                     "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0"]
+                     "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0",
+                     "--overwrite"]  # a scratch run: a repeated verify replaces the last one
     if args.model:
         finetune_args += ["--model", args.model]
     cmd = launch_command(config_file, finetune_args)
@@ -65,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"memkit verify: {args.steps} steps of {args.plan} under {config_file} (log: {log_path})",
               file=sys.stderr)
     status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
+    if status == "signal":
+        print(f"memkit verify: stopped by a signal; the launcher and every rank are stopped (log: {log_path})",
+              file=sys.stderr)
+        return returncode
     report = _read_report(report_path, out_dir)
     if report is None:
         report = {"status": status if status != "ok" else "failed", "returncode": returncode,
@@ -94,30 +96,11 @@ def _check_devices(acc: dict, path: Path) -> None:
 
 
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
+    """Run the launch; SIGTERM/SIGINT stop the launcher and its ranks (memkit.cli.supervise)."""
+    from memkit.cli.supervise import Supervisor
+
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                start_new_session=True)
-        try:
-            return ("ok" if proc.wait(timeout=timeout_s) == 0 else "failed"), proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return "timeout", None
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            raise
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        return Supervisor(cmd, env=child_env(), stdout=log, grace_s=30.0).run(timeout_s=timeout_s)
 
 
 def _read_report(report_path: Path, out_dir: Path) -> dict | None:
