@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     if config_file is None:
         raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file (memkit suggest --out "
                           "writes accelerate.yaml next to plan.json)")
-    _check_devices(read_accelerate_config(config_file), config_file)
+    acc = read_accelerate_config(config_file)
+    _check_devices(acc, config_file)
+    _check_op_builds(plan, acc, config_file)
     out_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="memkit-verify-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.json"
@@ -93,6 +95,24 @@ def _check_devices(acc: dict, path: Path) -> None:
         raise MemkitError(f"{path} starts {wanted} processes per machine but this machine has "
                           f"{torch.cuda.device_count()} GPU(s); verify on a machine like the plan's, or make a "
                           f"plan for {torch.cuda.device_count()} GPU(s)")
+
+
+def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
+    """Before launching: a stale DeepSpeed build lock is an error here (the ranks would wait on it
+    forever, silently, in the log); a compile the run will do is announced (memkit.train.ops)."""
+    from memkit.train.ops import announce_builds
+
+    ds_file = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds_file:
+        return
+    path = Path(ds_file)
+    if not path.is_absolute() and not path.is_file():
+        path = config_file.parent / path.name
+    try:
+        ds_config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # the runner reports a missing or broken DeepSpeed file itself
+    announce_builds(plan, ds_config)
 
 
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
