@@ -112,7 +112,10 @@ def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
         ds_config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return  # the runner reports a missing or broken DeepSpeed file itself
-    announce_builds(plan, ds_config)
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; --json owns it
+        announce_builds(plan, ds_config)
 
 
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
