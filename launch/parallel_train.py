@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 def check(name, model_config, plan, rank, world_size, gpu_name):
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
-    from memkit.train.parallel import rank_layout, validate_parallel
+    from memkit.parallel import rank_layout, validate_parallel
 
     layout = rank_layout(plan, rank=rank, world_size=world_size)
     spec = spec_from_config(model_config, name=name)

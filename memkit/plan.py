@@ -10,12 +10,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from memkit.errors import MemkitError
+from memkit.parallel import split_knob_error
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
 OFFLOADS = ("none", "cpu", "nvme")
 CHECKPOINTING = ("none", "full")
 ATTENTIONS = ("eager", "sdpa", "flash")
+HF_ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+"""transformers' attn_implementation for each plan attention (transformers modeling_utils.py,
+_check_and_adjust_attn_implementation); the runner and the bundle's Trainer model kwargs use it."""
 ENGINES = ("deepspeed", "torch")
 TP_ENGINES = ("autotp", "tp_plan")
 PP_ENGINES = ("torch", "deepspeed")
@@ -128,16 +132,9 @@ class TrainingPlan:
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
-        if self.sequence_parallel and self.tp == 1:
-            raise MemkitError("sequence parallel shards activations over tensor-parallel ranks; use --tp >= 2")
-        if self.sequence_parallel and self.tp_engine == "autotp":
-            raise MemkitError("DeepSpeed AutoTP has no sequence parallelism; use tp engine tp_plan")
-        if self.tp > 1 and self.engine == "deepspeed" and self.tp_engine == "autotp" and self.zero_stage == 3:
-            raise MemkitError("DeepSpeed AutoTP training supports ZeRO 0-2, not 3; use --zero 2 or lower")
-        if self.pp > 1 and self.zero_stage > 1:
-            raise MemkitError(
-                f"pipeline parallel with --zero {self.zero_stage}: pipeline schedules keep "
-                "gradients across micro-batches, so only ZeRO 0-1 apply; use --zero 1 or lower")
+        split_error = split_knob_error(self)  # memkit/parallel.py states the split rules
+        if split_error:
+            raise MemkitError(split_error)
         return self
 
     def with_(self, **changes) -> "TrainingPlan":

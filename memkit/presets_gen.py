@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.presets_dir import presets_dir
+from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB
 from memkit.units import GIB
 
 MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama-3.1-70b")
@@ -30,14 +31,7 @@ SEQ_SWEEP_MODEL = "llama-3.1-8b"
 GLOBAL_BATCH = 64
 """Sequences per optimizer step (64 x 4k = 262k tokens): a common fine-tuning batch."""
 LORA_RANK = 16
-FILES = ("accelerate.yaml", "ds_config.json", "plan.json")
-IGNORED_KEYS = ("versions",)
-"""plan.json keys the staleness check ignores: installed versions differ between machines."""
-
-
-def host_ram_bytes(num_gpus: int) -> int:
-    """Host RAM assumed per node: 64 GiB per GPU, at least 128 GiB (workstations to 8-GPU servers)."""
-    return max(128, 64 * num_gpus) * GIB
+FILES = ("accelerate.yaml", "ds_config.json", "plan.json", "adapter_config.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +48,26 @@ class PresetRequest:
         return f"{self.model}-{mode}-{self.num_gpus}x{self.gpu}-{self.seq_len // 1024}k"
 
 
+    def suggest_argv(self) -> list[str]:
+        """The `memkit suggest` arguments of this preset (tests/unit/test_presets_equal_suggest.py runs
+        them and compares the files with the committed preset)."""
+        argv = ["--model", self.model, "--gpu", self.gpu, "--num-gpus", str(self.num_gpus),
+                "--global-batch-size", str(GLOBAL_BATCH), "--seq-len", str(self.seq_len)]
+        return argv + (["--lora-rank", str(LORA_RANK)] if self.lora else [])
+
+
 def _search(req: PresetRequest):
-    from memkit.cli.common import lora_targets
+    """The request `memkit suggest` builds from `req.suggest_argv()` (every other flag at its
+    default, host RAM included: spec.hardware.default_host_ram_bytes), searched."""
     from memkit.planner import NoPlanFits, Request, search
+    from memkit.planner.space import default_lora_targets
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 
     model = load_model_spec(req.model)
-    hardware = Hardware(gpu=find_gpu(req.gpu), num_gpus_per_node=req.num_gpus,
-                        host_ram_bytes_per_node=host_ram_bytes(req.num_gpus))
-    request = Request(model=model, hardware=hardware, global_batch_size=GLOBAL_BATCH, seq_len=req.seq_len,
-                      lora_rank=LORA_RANK if req.lora else 0,
-                      lora_targets=lora_targets(None, model) if req.lora else ("q_proj", "v_proj"))
+    request = Request(model=model, hardware=Hardware(gpu=find_gpu(req.gpu), num_gpus_per_node=req.num_gpus),
+                      global_batch_size=GLOBAL_BATCH, seq_len=req.seq_len, lora_rank=LORA_RANK if req.lora else 0,
+                      lora_targets=default_lora_targets(model) if req.lora else ("q_proj", "v_proj"))
     try:
         return search(request)
     except NoPlanFits:
@@ -101,18 +103,18 @@ def plan_presets() -> tuple[dict[PresetRequest, object], list[PresetRequest]]:
 
 def render(chosen, misses) -> dict[str, str]:
     """Relative path under presets/ -> text, for every generated file."""
-    from memkit.cli.suggest import document_for
+    from memkit.emit import plan_doc
     from memkit.emit.bundle import bundle_files
+    from memkit.emit.deepspeed import largest_param_numel
 
     files: dict[str, str] = {}
     rows = []
     for req, result in sorted(chosen.items(), key=lambda kv: _order(kv[0])):
         out_dir = f"presets/plans/{req.name}"
-        doc = document_for(result, lr=2e-5)
-        bundle = bundle_files(doc, out_dir=out_dir, largest_param_numel=result.request.model.vocab_size
-                              * result.request.model.hidden_size)
+        doc = plan_doc.build(result, lr=plan_doc.DEFAULT_LR)
+        bundle = bundle_files(doc, out_dir=out_dir, largest_param_numel=largest_param_numel(result.request.model))
         for fname in FILES:
-            if fname in bundle:  # a pipeline plan has no ds_config.json
+            if fname in bundle:  # a pipeline plan has no ds_config.json, a full fine-tune no adapter_config.json
                 files[f"plans/{req.name}/{fname}"] = bundle[fname]
         rows.append((req, doc))
     files["README.md"] = _readme(rows, misses)
@@ -139,7 +141,8 @@ def _readme(rows, misses) -> str:
         "",
         "`memkit explain presets/plans/<name>/plan.json` prints a plan in full. All presets assume:",
         f"global batch {GLOBAL_BATCH} sequences (micro x accum x GPUs, exactly), 10% memory headroom, host RAM",
-        "of 64 GiB per GPU (at least 128 GiB), one node, AdamW (lr 2e-5) unless nothing with AdamW fits,",
+        f"of {HOST_RAM_GIB_PER_GPU} GiB per GPU (at least {MIN_HOST_RAM_GIB} GiB; `memkit suggest`'s default), "
+        "one node, AdamW (lr 2e-5) unless nothing with AdamW fits,",
         f"LoRA rank {LORA_RANK} on the attention q/v projections. For other batch sizes, GPU counts or pins,",
         "run `memkit suggest` yourself. Regenerate with `python -m memkit.presets_gen` (a test fails when",
         "a committed preset no longer matches what memkit would suggest).",
@@ -164,12 +167,10 @@ def _readme(rows, misses) -> str:
 
 
 def _comparable(path: str, text: str):
-    if path.endswith("plan.json"):
-        doc = json.loads(text)
-        for key in IGNORED_KEYS:
-            doc.pop(key, None)
-        return doc
-    return text
+    """What the staleness check compares: plan.json without its versions (plan_doc.comparable)."""
+    from memkit.emit.plan_doc import comparable
+
+    return comparable(json.loads(text)) if path.endswith("plan.json") else text
 
 
 def stale_files(files: dict[str, str], root: Path) -> list[str]:

@@ -5,8 +5,8 @@ import argparse
 
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS
-from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
-from memkit.units import GIB, format_bytes, parse_bytes
+from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
+from memkit.units import format_bytes, parse_bytes
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -20,8 +20,8 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", help="GPU memory instead of --gpu, e.g. 24GiB")
     g.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default 1)")
     g.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
-    g.add_argument("--host-ram", help="host RAM per node (default 128GiB per GPU, at least 64GiB: "
-                   "a typical GPU server's share; pass what your nodes have)")
+    g.add_argument("--host-ram", help=f"host RAM per node (default {HOST_RAM_GIB_PER_GPU}GiB per GPU, at least "
+                   f"{MIN_HOST_RAM_GIB}GiB: a typical GPU server's share; pass what your nodes have)")
 
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
@@ -33,10 +33,8 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
         gpu = custom_gpu(parse_bytes(args.gpu_memory, what="--gpu-memory"))
     else:
         raise MemkitError("no GPU given; pass --gpu NAME (see `memkit gpus`) or --gpu-memory 24GiB")
-    if getattr(args, "host_ram", None):
-        host_ram = parse_bytes(args.host_ram, what="--host-ram")
-    else:  # 8-GPU servers ship 1-2 TiB (DGX A100 1 TiB, DGX H100 2 TiB); workstations less.
-        host_ram = max(64 * GIB, 128 * GIB * max(args.num_gpus, 1))
+    # Not given: 0, which Hardware replaces by the one default (spec.hardware.default_host_ram_bytes).
+    host_ram = parse_bytes(args.host_ram, what="--host-ram") if getattr(args, "host_ram", None) else 0
     return Hardware(gpu=gpu, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
                     host_ram_bytes_per_node=host_ram).validate()
 
@@ -80,11 +78,9 @@ def lora_targets(value: str | None, model) -> tuple[str, ...]:
             raise MemkitError(f"--lora-targets {','.join(unknown)} not in {model.name}'s linears "
                               f"({', '.join(names)})")
         return targets
-    for pair in (("q_proj", "v_proj"), ("q", "v"), ("query", "value"), ("c_attn",),
-                 ("query_key_value",), ("qkv_proj",), ("Wqkv",)):
-        if all(n in names for n in pair):
-            return pair
-    return names[:1]
+    from memkit.planner.space import default_lora_targets
+
+    return default_lora_targets(model)
 
 
 def render_breakdown(est, *, title: str) -> str:

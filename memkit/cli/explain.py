@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from memkit.cli.render import format_table
-from memkit.errors import MemkitError
 from memkit.units import GIB
 
 HELP = "print a plan.json written by `memkit suggest --out` (optionally re-estimate it)"
@@ -20,19 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_document(path_text: str) -> dict:
-    path = Path(path_text)
-    if path.is_dir():
-        path = path / "plan.json"
-    if not path.is_file():
-        raise MemkitError(f"{path_text}: no such file; pass the plan.json that `memkit suggest --out DIR` wrote")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    missing = [k for k in ("plan", "model", "hardware", "estimate", "step_time") if k not in doc]
-    if missing:
-        raise MemkitError(f"{path} lacks {', '.join(missing)}: not a memkit plan.json")
-    return doc
+    from memkit.emit import plan_doc
+
+    return plan_doc.read(path_text, flag="", require=("plan", "model", "hardware", "estimate", "step_time")).data
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,19 +44,12 @@ def run(args: argparse.Namespace) -> int:
 def _recheck(doc: dict) -> dict:
     from memkit.estimate.memory import estimate_memory
     from memkit.estimate.throughput import estimate_step_time
-    from memkit.plan import TrainingPlan
-    from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
+    from memkit.emit.plan_doc import PlanDocument
     from memkit.spec.hf import load_model_spec
 
-    hw = doc["hardware"]
-    try:
-        gpu = find_gpu(hw["gpu"])
-    except MemkitError:
-        gpu = custom_gpu(hw["gpu_memory_bytes"])
-    hardware = Hardware(gpu=gpu, num_gpus_per_node=hw["num_gpus_per_node"], num_nodes=hw["num_nodes"],
-                        host_ram_bytes_per_node=hw["host_ram_bytes_per_node"])
-    model = load_model_spec(doc["model"])
-    plan = TrainingPlan.from_dict(doc["plan"])
+    document = PlanDocument(doc)
+    hardware, plan = document.hardware(), document.plan
+    model = load_model_spec(document.model)
     est = estimate_memory(model, plan, hardware)
     speed = estimate_step_time(model, plan, hardware)
     return {"estimate": est.to_dict(), "step_time": speed.to_dict()}
@@ -110,6 +92,8 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     lines += ["", f"Chosen plan: {doc.get('label', '')}"]
     if doc.get("split_reason"):
         lines.append(f"  split: {doc['split_reason']}")
+    if doc.get("split_limits"):
+        lines.append(f"  split runs: {doc['split_limits']}")
     precision_note = {"fp16": "mixed, fp32 master weights, dynamic loss scaling",
                       "bf16": "mixed, fp32 master weights", "bf16-pure": "weights, grads, optimizer states in bf16",
                       "fp32": "full precision"}[plan["precision"]]

@@ -7,6 +7,7 @@ import sys
 import time
 
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
+from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS
 
@@ -35,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
-                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split when nothing "
-                           "fits otherwise or when the step-time model says the split is faster")
+                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
+                           "fits otherwise or the step-time model prices the split faster by more than its "
+                           "uncertainty (split runs cannot checkpoint or resume yet)")
     pins.add_argument("--pp", default=None,
                       help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",
@@ -47,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--out", metavar="DIR", help="write accelerate.yaml, ds_config.json, plan.json, README.md")
     out.add_argument("--plot", metavar="PNG", help="stacked bars of per-GPU memory: chosen plan and alternatives")
-    out.add_argument("--lr", type=float, default=2e-5, help="learning rate written into ds_config.json")
+    out.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate written into ds_config.json "
+                     f"(default {DEFAULT_LR:g})")
     out.add_argument("--main-process-ip", help="node 0's address for multi-node accelerate.yaml")
     out.add_argument("--num-alternatives", type=int, default=4)
 
@@ -94,61 +97,6 @@ def request_from_args(args: argparse.Namespace):
         split="auto").validate()
 
 
-def request_dict(request) -> dict:
-    """The workload and the pins, as plan.json records them (pins only when given)."""
-    out = {"global_batch_size": request.global_batch_size, "seq_len": request.seq_len,
-           "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
-           "split": request.split}
-    for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
-                "checkpointing", "max_micro_batch", "tp", "pp"):
-        value = getattr(request, key)
-        if value is not None:
-            out[key] = value
-    if not request.allow_offload:
-        out["allow_offload"] = False
-    if request.lora_rank:
-        out["lora_rank"] = request.lora_rank
-        out["lora_targets"] = list(request.lora_targets)
-    return out
-
-
-def candidate_dict(cand) -> dict:
-    return {"label": cand.label, "plan": cand.plan.to_dict(), "tier": cand.tier,
-            "nvidia_smi_peak_bytes": cand.memory.nvidia_smi_peak_bytes,
-            "reserved_peak_bytes": cand.memory.reserved_peak_bytes,
-            "allocated_peak_bytes": cand.memory.allocated_peak_bytes,
-            "host_bytes_per_node": cand.memory.host_bytes_per_node,
-            "components": dict(cand.memory.components),
-            "step_time_s": cand.speed.step_time_s, "tokens_per_s": cand.speed.tokens_per_s, "mfu": cand.speed.mfu}
-
-
-def rejection_dict(rej) -> dict:
-    return {"label": rej.label, "plan": rej.plan.to_dict(), "reason": rej.reason,
-            "nvidia_smi_peak_bytes": rej.device_peak_bytes, "host_bytes_per_node": rej.host_bytes_per_node,
-            "needs": list(rej.needs), "step_time_s_if_it_fit": rej.step_time_s}
-
-
-def document_for(result, *, lr: float, elapsed_s: float | None = None, version_info: dict | None = None) -> dict:
-    from memkit.emit.bundle import plan_document
-
-    req = result.request
-    chosen = result.chosen
-    doc = plan_document(
-        model_name=req.model.name, plan=chosen.plan, hardware=req.hardware_dict(), memory=chosen.memory,
-        speed=chosen.speed, request=request_dict(req), label=chosen.label, lr=lr,
-        alternatives=[candidate_dict(c) for c in result.alternatives],
-        rejected=[rejection_dict(r) for r in result.rejected],
-        notes=list(result.notes) + ([f"micro-batch limit: {chosen.micro_limit}"] if chosen.micro_limit else []),
-        version_info=version_info)
-    doc["budget_bytes"] = req.budget_bytes
-    if result.split_reason:
-        doc["split_reason"] = result.split_reason
-    doc["search"] = {"num_structures": result.num_structures, "num_memory_estimates": result.num_memory_estimates}
-    if elapsed_s is not None:
-        doc["search"]["seconds"] = round(elapsed_s, 4)
-    return doc
-
-
 def run(args: argparse.Namespace) -> int:
     from memkit.cli.explain import render_document
     from memkit.planner import NoPlanFits, search
@@ -162,15 +110,19 @@ def run(args: argparse.Namespace) -> int:
     except NoPlanFits as exc:
         return _report_no_fit(args, request, exc)
     elapsed = time.perf_counter() - start
-    doc = document_for(result, lr=args.lr, elapsed_s=elapsed)
+    from memkit.emit import plan_doc
+    from memkit.emit.deepspeed import largest_param_numel
+
+    doc = plan_doc.build(result, lr=args.lr)  # what plan.json holds (the presets hold the same)
     written = []
     if args.out:
         from memkit.emit.bundle import bundle_files, write_bundle
 
         files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
-                             largest_param_numel=_largest_param(request.model),
+                             largest_param_numel=largest_param_numel(request.model),
                              main_process_ip=args.main_process_ip)
         written = [str(p) for p in write_bundle(args.out, files)]
+    doc["search"]["seconds"] = round(elapsed, 4)  # shown, not written: plan.json stays reproducible
     if args.plot:
         from memkit.plot import plot_estimates
 
@@ -191,20 +143,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _largest_param(model) -> int:
-    """The largest single tensor: the token embedding (or an untied LM head) in practice."""
-    biggest = model.vocab_size * model.hidden_size
-    for lin in model.layer_linears + model.encoder_layer_linears:
-        biggest = max(biggest, lin.in_features * lin.out_features)
-    return biggest
-
-
 def _report_no_fit(args, request, exc) -> int:
     from memkit.cli.render import format_table
     from memkit.units import GIB
 
     if args.json:
-        json.dump({"error": str(exc), "model": request.model.name, "hardware": request.hardware_dict(),
+        from memkit.emit.plan_doc import hardware_dict, rejection_dict
+
+        json.dump({"error": str(exc), "model": request.model.name, "hardware": hardware_dict(request.hardware),
                    "budget_bytes": request.budget_bytes,
                    "nearest_misses": [rejection_dict(m) for m in exc.misses]}, sys.stdout, indent=2)
         sys.stdout.write("\n")

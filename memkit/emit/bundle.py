@@ -1,6 +1,7 @@
-"""Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json and README.md.
+"""Write a plan's bundle: accelerate.yaml, ds_config.json, plan.json, README.md and, for LoRA
+plans, adapter_config.json (the peft config a Trainer script loads).
 
-The only emitter that touches disk. `bundle_files` builds the texts (pure, used by the presets
+The only emitter that writes to disk (plan_doc.read is the one that reads plan.json). `bundle_files` builds the texts (pure, used by the presets
 generator and its staleness test); `write_bundle` writes them. Plans that do not run under
 DeepSpeed (pipeline parallel) have no ds_config.json: their accelerate.yaml is a plain
 multi-process launch and plan.json's "engines" says what runs each split.
@@ -8,80 +9,27 @@ multi-process launch and plan.json's "engines" says what runs each split.
 from __future__ import annotations
 
 import json
-from importlib import metadata
 from pathlib import Path
 
+from memkit.emit import plan_doc
 from memkit.emit.accelerate import accelerate_config
-from memkit.emit.deepspeed import deepspeed_config, trainer_arguments
+from memkit.emit.deepspeed import deepspeed_config
+from memkit.emit.plan_doc import DEFAULT_LR, plan_document, versions  # noqa: F401 (plan.json lives in plan_doc)
+from memkit.emit.trainer import PEFT_CONFIG_FILE, trainer_recipe
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.units import GIB
 
-PLAN_FORMAT_VERSION = 1
 FILES = ("accelerate.yaml", "ds_config.json", "plan.json", "README.md")
-DEFAULT_LR = 2e-5
-
-
-def versions() -> dict:
-    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
-    out = {}
-    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory, speed,
-                  request: dict | None = None, alternatives: list[dict] | None = None,
-                  rejected: list[dict] | None = None, notes: list[str] | None = None,
-                  label: str = "", lr: float = DEFAULT_LR, version_info: dict | None = None) -> dict:
-    """plan.json: the plan, what memkit predicts for it, and what it was made for."""
-    return {
-        "format_version": PLAN_FORMAT_VERSION,
-        "model": model_name,
-        "hardware": hardware,
-        "request": request or {},
-        "plan": plan.to_dict(),
-        "label": label,
-        "estimate": memory.to_dict(),
-        "step_time": speed.to_dict(),
-        "engines": engines(plan),
-        "trainer_arguments": trainer_arguments(plan, lr=lr),
-        "alternatives": alternatives or [],
-        "rejected": rejected or [],
-        "notes": notes or [],
-        "versions": versions() if version_info is None else version_info,
-    }
-
-
-def engines(plan: TrainingPlan) -> dict:
-    """Which engine runs each split of `plan` (plan.json's "engines"; None: no such split)."""
-    ds = plan.engine == "deepspeed"
-    if ds:
-        dp = f"DeepSpeed ZeRO-{plan.zero_stage}" + (" (AutoTP data-parallel groups)" if plan.tp > 1 else "")
-    elif plan.pp > 1:
-        dp = "gradient all-reduce over the pipeline replicas (memkit.train.parallel)"
-    else:
-        dp = "PyTorch DDP (Accelerate)"
-    return {
-        "launcher": "accelerate launch, DeepSpeed (ds_config.json)" if ds
-        else "accelerate launch, torchrun processes (no DeepSpeed)",
-        "data_parallel": dp if plan.dp > 1 else None,
-        "tensor_parallel": (f"DeepSpeed AutoTP training, autotp_size {plan.tp} (ds_config.json tensor_parallel)"
-                            if plan.tp_engine == "autotp" else f"transformers tp_plan (DTensor), tp {plan.tp}")
-        if plan.tp > 1 else None,
-        "pipeline_parallel": (f"torch.distributed.pipelining, {plan.pp} stages, "
-                              f"{'Schedule1F1B' if plan.pp_schedule == '1f1b' else 'ScheduleGPipe'} over "
-                              f"{plan.grad_accum} micro-batches" if plan.pp_engine == "torch"
-                              else f"DeepSpeed PipelineModule, {plan.pp} stages") if plan.pp > 1 else None,
-    }
+LORA_FILES = (PEFT_CONFIG_FILE,)
+"""Written for LoRA plans: the peft config a Trainer script loads (memkit.emit.trainer)."""
 
 
 def file_names(plan: TrainingPlan) -> tuple[str, ...]:
-    """The files of `plan`'s bundle: no ds_config.json when the plan does not run under DeepSpeed."""
-    return FILES if plan.engine == "deepspeed" else tuple(f for f in FILES if f != "ds_config.json")
+    """The files of `plan`'s bundle: no ds_config.json when the plan does not run under DeepSpeed,
+    the peft config when it trains LoRA adapters."""
+    names = FILES if plan.engine == "deepspeed" else tuple(f for f in FILES if f != "ds_config.json")
+    return names + (LORA_FILES if plan.is_lora else ())
 
 
 def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme",
@@ -90,9 +38,9 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
     will type it in the launch command; the YAML refers to the JSON by that path)."""
     import yaml
 
-    plan = TrainingPlan.from_dict(document["plan"])
+    doc = plan_doc.PlanDocument(document)
+    plan, lr = doc.plan, doc.lr
     hw = document["hardware"]
-    lr = document["trainer_arguments"]["learning_rate"]
     files = {}
     ds_path = None
     if plan.engine == "deepspeed":
@@ -102,7 +50,10 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
     acc = accelerate_config(plan, deepspeed_config_file=ds_path, num_gpus_per_node=hw["num_gpus_per_node"],
                             num_nodes=hw["num_nodes"], main_process_ip=main_process_ip)
     files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
-    files["plan.json"] = json.dumps(document, indent=2) + "\n"
+    files["plan.json"] = plan_doc.to_text(document)
+    recipe = trainer_recipe(plan, lr=lr)
+    if recipe.peft_config is not None:
+        files[PEFT_CONFIG_FILE] = json.dumps(recipe.peft_config, indent=2) + "\n"
     files["README.md"] = readme(document, out_dir=out_dir.rstrip("/"))
     return {name: files[name] for name in file_names(plan)}
 
@@ -134,7 +85,6 @@ def readme(document: dict, *, out_dir: str) -> str:
     est = document["estimate"]
     speed = document["step_time"]
     hw = document["hardware"]
-    targs = document["trainer_arguments"]
     num_gpus = hw["num_gpus_per_node"] * hw["num_nodes"]
     tokens = plan["micro_batch_size"] * plan["grad_accum"] * plan["dp"] * plan["seq_len"]
     lines = [
@@ -195,15 +145,7 @@ def readme(document: dict, *, out_dir: str) -> str:
             "",
         ]
         if plan["tp"] == 1:
-            lines += [
-                "With Hugging Face Trainer instead, pass `--deepspeed "
-                f"{out_dir}/ds_config.json` and these TrainingArguments, which the file must agree with:",
-                "",
-                "```",
-                " ".join(f"--{k} {v}" for k, v in targs.items()),
-                "```",
-                "",
-            ]
+            lines += trainer_section(document, out_dir=out_dir)
         else:
             lines += ["Under AutoTP, DeepSpeed counts every process in its batch check, so "
                       "`train_batch_size` in ds_config.json is micro x accum x dp x tp; only dp shards "
@@ -215,9 +157,6 @@ def readme(document: dict, *, out_dir: str) -> str:
             f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
             "",
         ]
-    if plan["checkpointing"] == "full":
-        lines += ["The plan counts on activation checkpointing of every decoder block "
-                  "(`model.gradient_checkpointing_enable()`; Trainer: gradient checkpointing on).", ""]
     if plan["optimizer"] in ("adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]
@@ -225,3 +164,35 @@ def readme(document: dict, *, out_dir: str) -> str:
         lines += ["NVMe offload writes to the `nvme_path` in ds_config.json: it must be a fast local "
                   "NVMe mount on every node.", ""]
     return "\n".join(lines)
+
+
+def trainer_section(document: dict, *, out_dir: str) -> list[str]:
+    """README lines for a user's own HF Trainer script: every flag, model kwarg and file the plan
+    needs (memkit.emit.trainer.trainer_recipe; tests/unit/test_trainer_fidelity.py runs them)."""
+    doc = plan_doc.PlanDocument(document)
+    plan = doc.plan
+    recipe = trainer_recipe(plan, lr=doc.lr)
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in recipe.model_kwargs.items())
+    from memkit.spec.hf import find_catalog_model
+
+    entry = find_catalog_model(str(document["model"]))
+    checkpoint = entry.hub_id if entry is not None else document["model"]  # a catalog name is no hub id
+    lines = [
+        "With Hugging Face Trainer instead, pass these TrainingArguments (ds_config.json decides ZeRO, offload "
+        "and the 16-bit mode; Trainer checks the batch, clipping, optimizer and precision flags against it):",
+        "",
+        "```",
+        " ".join(recipe.flags(deepspeed_path=f"{out_dir}/ds_config.json")),
+        "```",
+        "",
+        "and build the model the plan was priced with (after TrainingArguments, so that ZeRO-3 partitions it "
+        "while loading):",
+        "",
+        "```python",
+        f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs})",
+    ]
+    if recipe.peft_config is not None:
+        lines += ["from peft import LoraConfig, get_peft_model",
+                  f"model = get_peft_model(model, LoraConfig.from_pretrained({out_dir!r}))  # {PEFT_CONFIG_FILE}"]
+    lines += ["```", "", f"Tokenize or pack the data to {recipe.max_length} tokens per sequence.", ""]
+    return lines

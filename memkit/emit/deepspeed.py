@@ -10,11 +10,12 @@ AcceleratorState.mixed_precision).
 HF Trainer's --deepspeed takes the same file when TrainingArguments agree with it
 (transformers integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_process):
 per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, learning_rate,
-adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16; `trainer_arguments()` lists them.
+adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16; memkit.emit.trainer lists them.
 """
 from __future__ import annotations
 
 from memkit.errors import MemkitError
+from memkit.parallel import deepspeed_data_ranks
 from memkit.plan import TrainingPlan
 
 ADAM_BETAS = (0.9, 0.999)
@@ -44,9 +45,7 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: floa
             "so it has no DeepSpeed config; memkit's pipeline runs through torch.distributed.pipelining "
             "(use the accelerate.yaml written beside plan.json)")
     config: dict = {
-        "train_batch_size": deepspeed_train_batch_size(plan),
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
+        **batch_fields(plan),
         "gradient_clipping": plan.gradient_clipping,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
@@ -80,17 +79,22 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: floa
     return config
 
 
-def deepspeed_train_batch_size(plan: TrainingPlan) -> int:
-    """train_batch_size as DeepSpeed checks it: micro x accum x every rank it counts as a data rank.
+def batch_fields(plan: TrainingPlan) -> dict:
+    """The three DeepSpeed batch fields; the only writer of them (deepspeed_config, the runner's
+    AutoTP config and its 'auto' filling all take them from here). train_batch_size is
+    micro x accum x every rank DeepSpeed counts as a data rank (memkit.parallel.deepspeed_data_ranks)."""
+    return {"train_batch_size": plan.micro_batch_size * plan.grad_accum * deepspeed_data_ranks(plan),
+            "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.grad_accum}
 
-    Without an `mpu` (Accelerate passes none, nor does memkit's runner), DeepSpeed takes
-    dist.get_world_size() as the data-parallel size (deepspeed/runtime/config.py,
-    DeepSpeedConfig.__init__ and _batch_assertion), so under AutoTP the tp ranks of a group count
-    too although they see the same batch: micro x accum x dp x tp. Accelerate fills the value the
-    same way, micro x accum x num_processes (accelerate/accelerator.py, _prepare_deepspeed)."""
-    if plan.tp > 1 and plan.tp_engine == "autotp":
-        return plan.micro_batch_size * plan.grad_accum * plan.dp * plan.tp
-    return plan.global_batch_size
+
+def largest_param_numel(model) -> int:
+    """The model's largest single tensor (the token embedding, or an untied LM head, in practice):
+    what the NVMe parameter-offload swap buffer must hold (offload_param.buffer_size)."""
+    biggest = model.vocab_size * model.hidden_size
+    for lin in model.layer_linears + model.encoder_layer_linears:
+        biggest = max(biggest, lin.in_features * lin.out_features)
+    return biggest
 
 
 def _zero_block(plan: TrainingPlan, nvme_path: str, largest_param_numel: int) -> dict:
@@ -134,23 +138,6 @@ def _optimizer_block(plan: TrainingPlan, *, lr: float, weight_decay: float) -> d
         # Unknown names fall through to torch.optim (runtime/engine.py, _configure_basic_optimizer).
         return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM, "weight_decay": weight_decay}}
     return None  # adamw-8bit, adafactor: the script passes the optimizer object
-
-
-def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> dict:
-    """The transformers TrainingArguments that agree with `deepspeed_config(plan)` exactly."""
-    args = {
-        "per_device_train_batch_size": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "max_grad_norm": plan.gradient_clipping,
-        "learning_rate": lr,
-        "weight_decay": weight_decay,
-        "adam_beta1": ADAM_BETAS[0],
-        "adam_beta2": ADAM_BETAS[1],
-        "adam_epsilon": ADAM_EPS,
-        "bf16": plan.precision in ("bf16", "bf16-pure"),
-        "fp16": plan.precision == "fp16",
-    }
-    return args
 
 
 def _offload(device: str, nvme_path: str) -> dict:

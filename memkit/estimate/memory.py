@@ -22,6 +22,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_activations, numerics
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
+from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -40,28 +41,9 @@ PHASES = ("init", "forward", "backward", "optimizer_step", "checkpoint_save")
 
 
 def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    """The one place parallel degrees are checked against the model and the world size."""
-    if plan.num_gpus != hardware.num_gpus:
-        raise MemkitError(
-            f"dp*tp*pp = {plan.dp}*{plan.tp}*{plan.pp} = {plan.num_gpus} but the hardware has "
-            f"{hardware.num_gpus} GPUs; choose degrees whose product is {hardware.num_gpus}")
-    if plan.tp > 1:
-        bad = [f"{name}={value}" for name, value in (
-            ("num_attention_heads", spec.num_attention_heads),
-            ("num_key_value_heads", spec.num_key_value_heads),
-            ("intermediate_size", spec.intermediate_size)) if value % plan.tp]
-        if bad:
-            ok = [t for t in (1, 2, 4, 8, 16) if spec.num_attention_heads % t == 0
-                  and spec.num_key_value_heads % t == 0 and spec.intermediate_size % t == 0]
-            raise MemkitError(f"tp={plan.tp} does not divide {', '.join(bad)}; "
-                              f"try tp in {{{','.join(map(str, ok))}}}")
-        if plan.tp > hardware.num_gpus_per_node:
-            raise MemkitError(
-                f"tp={plan.tp} spans nodes ({hardware.num_gpus_per_node} GPUs per node); tensor "
-                f"parallelism needs NVLink-class links: use tp <= {hardware.num_gpus_per_node}")
-    if plan.pp > spec.num_layers:
-        raise MemkitError(f"pp={plan.pp} exceeds the model's {spec.num_layers} layers; "
-                          f"use pp <= {spec.num_layers}")
+    """What the estimator needs before pricing: the degree checks (memkit.parallel, their one
+    home), a GPU that has the precision, and positions for the sequence."""
+    check_degrees(spec, plan, hardware)
     if plan.precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
         raise MemkitError(f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32")
     if plan.seq_len > spec.max_position_embeddings and spec.position_embedding == "learned":
@@ -110,17 +92,6 @@ def _in_flight(plan: TrainingPlan, stage: int) -> int:
     if plan.pp_schedule == "gpipe":
         return plan.grad_accum
     return min(plan.pp - stage, plan.grad_accum)
-
-
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Blocks per stage: as even as possible, the remainder on the middle stages so the first
-    (embedding, most in-flight micro-batches) and the last (LM head, logits) stay light."""
-    base, extra = divmod(num_layers, pp)
-    counts = [base] * pp
-    order = sorted(range(pp), key=lambda k: (k in (0, pp - 1), k))
-    for k in order[:extra]:
-        counts[k] += 1
-    return counts
 
 
 def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankParams:

@@ -17,11 +17,14 @@ near-ties (within 1% of the budget) go to the faster plan.
 Tiers: AdamW with mixed precision / fp32 first; pure bf16 and 8-bit AdamW / Adafactor only when
 nothing in the first tier fits (they change the training numerics), and the result says so.
 
-Model splits (tp/pp > 1, unpinned): with split 'if-needed' (the default) a tier is searched over
-data-parallel layouts first and over the split layouts only when none of those fits or meets the
-batch; with 'auto' all layouts compete on the step-time model. Either way tp/pp is chosen when,
-and only when, nothing fits otherwise or it is faster, and `SearchResult.split_reason` says which.
-A split keeps the numerics (AdamW and the same precision), so it comes before the lean tier.
+Model splits (tp/pp > 1, unpinned): a tier is searched over the data-parallel layouts and the
+split layouts apart. With split 'if-needed' the splits are searched only when no data-parallel
+plan fits; with 'auto' (the default) a split also wins when the step-time model prices it faster
+than the best data-parallel plan by more than STEP_TIME_UNCERTAINTY, since a split run loses
+checkpoints and resume (memkit.parallel.SPLIT_LIMITS). Batch arithmetic alone never picks a split
+(planner.space.layouts says which nearby global batches work instead). `SearchResult.split_reason`
+says why a split was chosen. A split keeps the numerics (AdamW and the same precision), so it
+comes before the lean tier.
 """
 from __future__ import annotations
 
@@ -31,10 +34,21 @@ from dataclasses import dataclass, replace
 from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
+from memkit.parallel import split_name
 from memkit.plan import TrainingPlan
 from memkit.planner.space import (Request, Tier, describe, layouts, micro_batch_options, structures,
                                   tiers, with_micro)
 from memkit.units import GIB
+
+
+STEP_TIME_UNCERTAINTY = 0.25
+"""How much faster (relative step time) the step-time model must price a model split than the best
+data-parallel plan before the planner gives up data parallelism for it. An assumption, not a
+measurement: the step-time model's constants (achievable fraction of peak, communication overlap,
+CPU-Adam bandwidth) are cited but not yet calibrated against measured runs (README, 'Not
+measured'), so differences smaller than this are not ones it can tell apart, and a split run
+loses checkpoints and resume (memkit.parallel.SPLIT_LIMITS). Replace it by the measured relative
+error of the step-time model once benchmarks/throughput_accuracy.py reports one."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,11 +186,18 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
     phases = _phases(request, lays)
     for i, tier in enumerate(tier_list):
         tier_rejected: list[Rejection] = []
+        plain_found: list[Candidate] = []
         for phase_index, phase in enumerate(phases):
             structs = [s for lay in phase for s in structures(request, tier, lay)]
             num_structures += len(structs)
             found, rejected = _run(ev, structs, tier, keep=num_alternatives + 2)
             tier_rejected += rejected
+            if len(phases) > 1 and phase_index == 0:  # the data-parallel layouts
+                plain_found = found
+                if not (found and request.split == "if-needed"):
+                    continue  # compare with the splits (or fall back to them) first
+            elif plain_found:
+                found = _prefer_data_parallel(plain_found, found, objective=request.objective)
             if not found:
                 continue
             if i > 0:
@@ -189,7 +210,7 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
             better = _distinct_rejections(ev, better, num_rejections)
             reason = ""
             if chosen.plan.tp > 1 or chosen.plan.pp > 1:
-                reason = _split_reason(request, ev, tier, chosen, lays, fallback=phase_index > 0,
+                reason = _split_reason(request, ev, tier, chosen, lays, plain_found=plain_found,
                                        earlier=tier_rejected)
             return SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
                                 rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
@@ -209,20 +230,27 @@ def _is_split(layout: tuple[int, int, int]) -> bool:
 
 
 def _phases(request: Request, lays: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Layout groups searched in order within a tier: under 'if-needed', data parallel first and
-    the splits only if it finds nothing; under 'auto' (or pinned degrees), all at once."""
+    """Layout groups searched in order within a tier: data parallel, then the splits (under
+    'if-needed' only if data parallel finds nothing). One group when there is only one kind."""
     plain = [lay for lay in lays if not _is_split(lay)]
     split = [lay for lay in lays if _is_split(lay)]
-    if request.split == "auto" or not plain or not split:
+    if not plain or not split:
         return [lays]
     return [plain, split]
 
 
-def split_name(plan: TrainingPlan) -> str:
-    """'tensor parallel 2 (DeepSpeed AutoTP)' / 'pipeline parallel 2 (torch.distributed.pipelining, 1F1B)'."""
-    if plan.tp > 1:
-        return f"tensor parallel {plan.tp} (DeepSpeed AutoTP)"
-    return f"pipeline parallel {plan.pp} (torch.distributed.pipelining, {plan.pp_schedule.upper()})"
+def _prefer_data_parallel(plain: list[Candidate], split: list[Candidate], *, objective: str) -> list[Candidate]:
+    """Data-parallel and split plans that fit, best first, with a split ahead of the best
+    data-parallel plan only when it is faster by more than STEP_TIME_UNCERTAINTY (throughput) or
+    has the lower peak (memory objective)."""
+    if not split:
+        return plain
+    best, rival = plain[0], split[0]
+    if objective == "memory":
+        split_wins = rival.memory.nvidia_smi_peak_bytes < best.memory.nvidia_smi_peak_bytes
+    else:
+        split_wins = rival.speed.step_time_s * (1.0 + STEP_TIME_UNCERTAINTY) < best.speed.step_time_s
+    return split + plain if split_wins else plain + split
 
 
 _TERM_WORDS = {
@@ -236,30 +264,22 @@ _TERM_WORDS = {
 
 
 def _split_reason(request: Request, ev: "_Evaluator", tier: Tier, chosen: Candidate,
-                  lays: list[tuple[int, int, int]], *, fallback: bool, earlier: list[Rejection]) -> str:
-    """One line: why the chosen plan splits the model."""
+                  lays: list[tuple[int, int, int]], *, plain_found: list[Candidate],
+                  earlier: list[Rejection]) -> str:
+    """One line: why the chosen plan splits the model (pinned, nothing else fits, or faster by
+    more than STEP_TIME_UNCERTAINTY)."""
     name = split_name(chosen.plan)
     pinned = [f"--{k} {getattr(request, k)}" for k in ("tp", "pp")
               if getattr(request, k) is not None and getattr(request, k) > 1]
     if pinned:
         return f"{name}: pinned by {' '.join(pinned)}"
-    plain = [lay for lay in lays if not _is_split(lay)]
-    if not plain:
-        dps = sorted({request.hardware.num_gpus})
-        return (f"{name}: the global batch {request.global_batch_size} cannot be split over "
-                f"{', '.join(map(str, dps))} data-parallel ranks, so the model is split instead")
-    if fallback:
+    if not plain_found:
         misses = [r for r in earlier if not _is_split((r.plan.tp, r.plan.pp, r.plan.dp)) and r.overshoot != float("inf")]
         nearest = min((_exact(ev, r) for r in misses), key=lambda r: r.overshoot, default=None)
         if nearest is None:
             return f"{name}: no data-parallel plan fits"
         return f"{name}: does not fit otherwise (nearest data-parallel plan {nearest.label}: {nearest.reason})"
-    # 'auto': the data-parallel plans were in the running; compare with the best of them.
-    structs = [s for lay in plain for s in structures(request, tier, lay)]
-    found, _ = _run(ev, structs, tier, keep=1)
-    if not found:
-        return f"{name}: does not fit otherwise (no data-parallel plan fits)"
-    best = found[0]
+    best = plain_found[0]
     if request.objective == "memory":
         return (f"{name}: lowest per-GPU peak ({chosen.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB vs "
                 f"{best.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB for {best.label})")
@@ -267,8 +287,9 @@ def _split_reason(request: Request, ev: "_Evaluator", tier: Tier, chosen: Candid
     term = max(_TERM_WORDS, key=lambda k: theirs.get(k, 0.0) - ours.get(k, 0.0))
     ratio = best.speed.step_time_s / chosen.speed.step_time_s
     return (f"{name}: {ratio:.2f}x faster than the best data-parallel plan ({best.label}, "
-            f"{best.speed.step_time_s:.2f} s/step vs {chosen.speed.step_time_s:.2f}) by the step-time model; "
-            f"it saves {_TERM_WORDS[term]}: {theirs.get(term, 0.0):.2f} s vs {ours.get(term, 0.0):.2f} s per step")
+            f"{best.speed.step_time_s:.2f} s/step vs {chosen.speed.step_time_s:.2f}) by the step-time model, "
+            f"more than its {STEP_TIME_UNCERTAINTY:.0%} uncertainty; it saves {_TERM_WORDS[term]}: "
+            f"{theirs.get(term, 0.0):.2f} s vs {ours.get(term, 0.0):.2f} s per step")
 
 
 class _Pruner:

@@ -5,18 +5,17 @@ accumulation); search.py finds the largest micro-batch that fits for each struct
 memory only grows with the micro-batch. Batch arithmetic is exact: micro * accum * dp equals
 the requested global batch or the layout is not offered.
 
-Model splits are offered only as the runner (launch/finetune.py) runs them
-(memkit.train.parallel.validate_parallel is the authority): tensor parallel through DeepSpeed
-AutoTP (engine deepspeed, ZeRO 0-2, inside a node, degrees dividing heads, KV heads and the MLP
-width, no offload, no LoRA) and pipeline parallel through torch.distributed.pipelining (engine
-torch, ZeRO 0, 1F1B with at least pp micro-batches), never both in one plan, only for the
-families in TP_MODEL_TYPES / PP_MODEL_TYPES; tp * pp * dp = GPUs.
+Model splits are offered only as the runner (launch/finetune.py) runs them; memkit/parallel.py
+states those rules (engines, ZeRO stages, degrees, families) and this module only enumerates
+what they allow; tp * pp * dp = GPUs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from memkit.errors import MemkitError
+from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
+                             validate_parallel)
 from memkit.plan import CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -31,8 +30,9 @@ step, and evaluation / checkpoint saving add short spikes. 10% of an 80 GB card 
 
 OBJECTIVES = ("throughput", "memory")
 SPLIT_MODES = ("if-needed", "auto")
-"""When unpinned tp/pp > 1 are considered: 'if-needed' only when no data-parallel plan of the
-tier fits (or meets the batch); 'auto' always, competing with data-parallel plans on speed."""
+"""When unpinned tp/pp > 1 are chosen: 'if-needed' only when no data-parallel plan of the tier
+fits; 'auto' also when faster than the best data-parallel plan by more than the step-time
+model's uncertainty (planner.search.STEP_TIME_UNCERTAINTY). Never to meet the batch arithmetic."""
 
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -72,7 +72,7 @@ class Request:
     number of layers."""
     split: str = "auto"
     """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
-    'auto' (also when the step-time model says a split is faster). SPLIT_MODES."""
+    'auto' (also when the step-time model says a split is clearly faster). SPLIT_MODES."""
 
     @property
     def budget_bytes(self) -> int:
@@ -123,29 +123,11 @@ class Request:
         num_gpus = self.hardware.num_gpus
         if self.split not in SPLIT_MODES:
             raise MemkitError(f"split mode {self.split!r} is not one of {', '.join(SPLIT_MODES)}")
-        if self.tp is not None:
-            if self.tp < 1 or self.hardware.num_gpus_per_node % self.tp:
-                raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
-                                  "(tensor parallelism stays inside a node)")
-            if model.num_attention_heads % self.tp or model.num_key_value_heads % self.tp:
-                ok = [t for t in (1, 2, 4, 8, 16) if model.num_attention_heads % t == 0
-                      and model.num_key_value_heads % t == 0]
-                raise MemkitError(f"--tp {self.tp} does not divide num_attention_heads="
-                                  f"{model.num_attention_heads} / num_key_value_heads={model.num_key_value_heads}; "
-                                  f"try --tp in {{{','.join(map(str, ok))}}}")
-            if self.tp > 1 and self.lora_rank:
-                raise MemkitError("--tp > 1 with --lora-rank: LoRA plans are data-parallel only; use --tp 1")
-        if self.pp is not None:
-            if self.pp < 1 or num_gpus % (self.pp * (self.tp or 1)):
-                raise MemkitError(f"--pp {self.pp} (x --tp {self.tp or 1}) must divide the {num_gpus} GPUs")
-            if self.pp > model.total_layers:
-                raise MemkitError(f"--pp {self.pp} exceeds the {model.total_layers} layers of {model.name}")
-            if self.pp > 1 and self.lora_rank:
-                raise MemkitError("--pp > 1 with --lora-rank: LoRA plans are data-parallel only; use --pp 1")
-        if (self.tp or 1) > 1 and ("cpu" in (self.offload_optimizer, self.offload_params)
-                                   or "nvme" in (self.offload_optimizer, self.offload_params)):
-            raise MemkitError(f"--tp {self.tp} with offload: memkit runs DeepSpeed AutoTP without "
-                              "ZeRO offload; use --offload-optimizer none / --offload-params none or --tp 1")
+        if self.tp is not None and (self.tp < 1 or self.hardware.num_gpus_per_node % self.tp):
+            raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
+                              "(tensor parallelism stays inside a node)")
+        if self.pp is not None and (self.pp < 1 or num_gpus % (self.pp * (self.tp or 1))):
+            raise MemkitError(f"--pp {self.pp} (x --tp {self.tp or 1}) must divide the {num_gpus} GPUs")
         if (self.pp or 1) > 1:
             per_rank_max = self.global_batch_size // (num_gpus // (self.pp * (self.tp or 1)))
             if per_rank_max < self.pp:
@@ -154,12 +136,12 @@ class Request:
                     f"needs at least {self.pp} micro-batches per step on each of the "
                     f"{num_gpus // (self.pp * (self.tp or 1))} pipelines; use --global-batch-size >= "
                     f"{self.pp * (num_gpus // (self.pp * (self.tp or 1)))}")
-        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split, the runner's
-        # validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
+        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split,
+        # memkit.parallel.validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
         # other pins allow.
         tp, pp = self.tp or 1, self.pp or 1
         error = None
-        for zero in ([self.zero_stage] if self.zero_stage is not None else [0, 1, 2, 3]):
+        for zero in ([self.zero_stage] if self.zero_stage is not None else list(run_zero_stages(tp, pp))):
             probe = split_plan(TrainingPlan(
                 precision=self.precision or ("bf16" if gpu.bf16 else "fp16"),
                 optimizer=self.optimizer or "adamw", zero_stage=zero,
@@ -176,16 +158,19 @@ class Request:
         else:
             raise error
         if tp > 1 or pp > 1:
-            runnable(model, probe, self.hardware)
+            validate_parallel(model, probe, self.hardware)
         return self
 
-    def hardware_dict(self) -> dict:
-        """The hardware part of the request, as plan.json records it."""
-        hw = self.hardware
-        return {"gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes,
-                "num_gpus_per_node": hw.num_gpus_per_node, "num_nodes": hw.num_nodes,
-                "host_ram_bytes_per_node": hw.host_ram_bytes_per_node,
-                "nvme_bytes_per_node": hw.nvme_bytes_per_node, "inter_node_gbps": hw.inter_node_gbps}
+
+def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
+    """The q/v attention projections under the model's own names (peft's defaults,
+    peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), else its first linear."""
+    names = model.linear_names()
+    for pair in (("q_proj", "v_proj"), ("q", "v"), ("query", "value"), ("c_attn",),
+                 ("query_key_value",), ("qkv_proj",), ("Wqkv",)):
+        if all(n in names for n in pair):
+            return pair
+    return tuple(names[:1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,44 +197,19 @@ def tiers(request: Request) -> list[Tier]:
     return [reference, lean]
 
 
-def runnable(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    """MemkitError unless the runner can run `plan`'s split (memkit.train.parallel, torch-free)."""
-    from memkit.train.parallel import validate_parallel
-
-    validate_parallel(model, plan, hardware)
-
-
-def split_plan(plan: TrainingPlan) -> TrainingPlan:
-    """`plan` with the engines its split runs on: AutoTP inside DeepSpeed for tp > 1, plain torch
-    with torch.distributed.pipelining (1F1B) for pp > 1."""
-    if plan.pp > 1:
-        return plan.with_(engine="torch", pp_engine="torch", pp_schedule="1f1b")
-    if plan.tp > 1:
-        return plan.with_(engine="deepspeed", tp_engine="autotp")
-    return plan
-
-
 def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
-    """Degrees the runner can split this model into (memkit.train.parallel's families)."""
-    from memkit.train.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES
-
-    model, hw = request.model, request.hardware
-    splittable = model.kind == "decoder" and not request.lora_rank
-    tps = [1]
-    if splittable and model.model_type in TP_MODEL_TYPES:
-        tps += [t for t in (2, 4, 8, 16) if t <= hw.num_gpus_per_node and hw.num_gpus_per_node % t == 0
-                and model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0
-                and model.intermediate_size % t == 0]
-    pps = [1]
-    if splittable and model.model_type in PP_MODEL_TYPES:
-        pps += [p for p in (2, 4, 8, 16, 32) if p <= model.num_layers]
+    """Degrees the runner can split this model into (memkit.parallel)."""
+    can_tp, can_pp = split_families(request.model, lora=bool(request.lora_rank))
+    tps = tp_choices(request.model, request.hardware.num_gpus_per_node) if can_tp else [1]
+    pps = pp_choices(request.model) if can_pp else [1]
     return tps, pps
 
 
 def layouts(request: Request) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) with dp dividing the global batch and, under a pipeline, at least pp
     micro-batches per step (1F1B); never tp > 1 with pp > 1 (the runner cannot combine them).
-    MemkitError when none meets the batch."""
+    MemkitError when none meets the batch, or (tp/pp unpinned) when data parallelism over every
+    GPU does not: batch arithmetic alone is no reason to split the model."""
     num_gpus = request.hardware.num_gpus
     tps, pps = _split_degrees(request)
     tps = [request.tp] if request.tp is not None else tps
@@ -260,13 +220,14 @@ def layouts(request: Request) -> list[tuple[int, int, int]]:
             if request.global_batch_size % dp == 0 and request.global_batch_size // dp >= p]
     if not good:
         raise MemkitError(_batch_message(request.global_batch_size, sorted({dp for _, _, dp in every})))
-    if request.split == "if-needed" and (1, 1, num_gpus) in every and (1, 1, num_gpus) not in good:
+    unpinned = request.tp is None and request.pp is None
+    if unpinned and (1, 1, num_gpus) not in good:
         # A model split is for memory or speed, not to make the batch arithmetic work behind the
-        # user's back: say so, and how to allow it.
+        # user's back: say which global batches data parallelism meets, and how to split on purpose.
         others = sorted({dp for _, _, dp in good})
         raise MemkitError(_batch_message(request.global_batch_size, [num_gpus])
-                          + f"; or allow a model split with --tp auto / --pp auto (data-parallel "
-                            f"degrees {', '.join(map(str, others))})")
+                          + (f"; or split the model on purpose with --tp N / --pp N (data-parallel "
+                             f"degrees {', '.join(map(str, others))})" if others else ""))
     return good
 
 
@@ -341,10 +302,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     tp, pp, dp = layout
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
-    if pp > 1:
-        zeros = [z for z in zeros if z == 0]  # the runner's pipeline keeps whole states per stage
-    elif tp > 1:
-        zeros = [z for z in zeros if z <= 2]  # DeepSpeed AutoTP training: ZeRO 0-2
+    zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
     accum = request.global_batch_size // dp
     out: list[TrainingPlan] = []
@@ -354,8 +312,6 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                 if precision == "bf16-pure" and zero == 0:
                     continue  # DeepSpeed keeps bf16 master weights only under ZeRO 1-3
                 combos = _offload_combos(request, zero)
-                if tp * pp > 1:  # the runner's splits run without ZeRO offload
-                    combos = [c for c in combos if c == ("none", "none")]
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
                         for ckpt in ckpts:
@@ -370,7 +326,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                             try:
                                 plan.validate()
                                 if tp * pp > 1:
-                                    runnable(request.model, plan, request.hardware)
+                                    validate_parallel(request.model, plan, request.hardware)
                             except MemkitError:
                                 continue
                             out.append(plan)

@@ -35,16 +35,32 @@ class GPU:
         return self.fp32_tflops
 
 
+HOST_RAM_GIB_PER_GPU = 128
+MIN_HOST_RAM_GIB = 64
+"""The one host-RAM default (the CLI, the presets and a Hardware built without it use it): 128 GiB
+per GPU, at least 64 GiB. 8-GPU servers ship 1-2 TiB (NVIDIA DGX A100 user guide: 1 TiB; DGX
+H100: 2 TiB), i.e. 128-256 GiB per GPU; workstations have less. Pass --host-ram for your nodes."""
+
+
+def default_host_ram_bytes(num_gpus_per_node: int) -> int:
+    """Host RAM per node assumed when none is given (HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB)."""
+    return max(MIN_HOST_RAM_GIB, HOST_RAM_GIB_PER_GPU * max(num_gpus_per_node, 1)) * GIB
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
     gpu: GPU
     num_gpus_per_node: int = 1
     num_nodes: int = 1
-    host_ram_bytes_per_node: int = 256 * GIB
-    """Host RAM per node available for offload (default: a typical 8-GPU server's share)."""
+    host_ram_bytes_per_node: int = 0
+    """Host RAM per node available for offload; 0 (not given) = default_host_ram_bytes(num_gpus_per_node)."""
     nvme_bytes_per_node: int = 2 * 1024 * GIB
     inter_node_gbps: float = 25.0
     """Per-GPU network bandwidth across nodes, GB/s (200 Gb/s InfiniBand/EFA per GPU ~ 25 GB/s)."""
+
+    def __post_init__(self):
+        if not self.host_ram_bytes_per_node:
+            object.__setattr__(self, "host_ram_bytes_per_node", default_host_ram_bytes(self.num_gpus_per_node))
 
     @property
     def num_gpus(self) -> int:

@@ -1,9 +1,7 @@
 """Read a Hugging Face config.json into a ModelSpec: the only place HF config keys are read.
 
-`load_model_spec(arg)` accepts, in this order:
-  1. a path to a config.json, or to a folder holding one;
-  2. a bundled catalog name or alias (presets/models/catalog.json; case-insensitive, '_' == '-');
-  3. a hub id (org/name) whose config.json is already in the local HF cache. memkit never downloads.
+`load_model_spec(arg)` accepts what memkit.spec.resolve.resolve_model resolves (a config.json or
+its folder, a catalog name or alias, a hub id in the local HF cache). memkit never downloads.
 
 Parameter counts are exact: each family below mirrors its transformers 5.24 modeling file (cited per
 family), and tests/unit/test_hf_spec.py compares every count with sum(p.numel()) of the model that
@@ -14,7 +12,6 @@ No torch or transformers import here: config work is instant (STYLE.md, litgpt).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -68,63 +65,12 @@ def find_catalog_model(name: str) -> CatalogModel | None:
 # ---------------------------------------------------------------- resolution
 
 def load_model_spec(name_or_path: str) -> ModelSpec:
-    """A ModelSpec from a config path, a catalog name, or a hub id already in the local HF cache."""
-    arg = str(name_or_path).strip()
-    if not arg:
-        raise MemkitError("--model is empty; pass a catalog name (see `memkit models`), a config.json path "
-                          "or a cached hub id such as meta-llama/Llama-3.1-8B")
-    path = Path(arg).expanduser()
-    entry = find_catalog_model(arg)
-    if path.is_file():
-        return spec_from_config(_read_json(path), name=arg, config_path=str(path))
-    if path.is_dir() and (entry is None or (path / "config.json").is_file()):
-        config = path / "config.json"
-        if not config.is_file():
-            raise MemkitError(f"folder {arg!r} holds no config.json; pass the model folder that has one, "
-                              "or the config.json itself")
-        return spec_from_config(_read_json(config), name=arg, config_path=str(config))
-    if entry is not None:
-        return spec_from_config(_read_json(entry.config_path), name=entry.name, hub_id=entry.hub_id,
-                                config_path=str(entry.config_path))
-    if _looks_like_path(arg):
-        raise MemkitError(f"config file {arg!r} does not exist; check the path, or pass a catalog name "
-                          "(see `memkit models`)")
-    if arg.count("/") == 1:
-        cached = _cached_hub_config(arg)
-        if cached is not None:
-            return spec_from_config(_read_json(cached), name=arg, hub_id=arg, config_path=str(cached))
-        hub_ids = [e.hub_id for e in model_catalog().values()]
-        raise MemkitError(f"{arg!r} is not a catalog model{did_you_mean(arg, hub_ids)} and its config.json is not "
-                          f"in the local Hugging Face cache ({_hub_cache_dir()}); memkit never downloads: run "
-                          f"`hf download {arg} config.json` first, or pass the path to a config.json")
-    names = list(model_catalog())
-    raise MemkitError(f"unknown model {arg!r}{did_you_mean(arg, names)}; `memkit models` lists the catalog; "
-                      "or pass a config.json path or a cached hub id (org/name)")
+    """A ModelSpec of the model `name_or_path` names (memkit.spec.resolve, the one resolver)."""
+    from memkit.spec.resolve import resolve_model
 
-
-def _looks_like_path(arg: str) -> bool:
-    """A hub id is 'org/name'; anything with a .json suffix, a leading ./~, or more slashes is a path."""
-    return arg.endswith(".json") or arg.startswith((".", "/", "~")) or arg.count("/") > 1 or "\\" in arg
-
-
-def _hub_cache_dir() -> str:
-    """huggingface_hub's cache folder, read at call time (huggingface_hub/constants.py: HF_HUB_CACHE, HF_HOME)."""
-    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if explicit:
-        return os.path.expanduser(explicit)
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return os.path.join(os.path.expanduser(home), "hub")
-
-
-def _cached_hub_config(repo_id: str) -> Path | None:
-    """config.json of `repo_id` from the local HF cache (no network; HF_HUB_OFFLINE-safe)."""
-    from huggingface_hub import try_to_load_from_cache  # lazy: only hub ids need it
-
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache_dir())
-    except ValueError:  # HFValidationError: not a valid repo id, so not cached either
-        return None
-    return Path(found) if isinstance(found, str) else None
+    source = resolve_model(name_or_path)
+    return spec_from_config(_read_json(source.config_path), name=source.name, hub_id=source.hub_id,
+                            config_path=str(source.config_path))
 
 
 def _read_json(path: Path) -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
+from memkit.parallel import SPLIT_LIMITS
 from memkit.plan import TrainingPlan
 
 PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_batch_size", "grad_accum",
@@ -130,26 +131,17 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, decay
 # ---- the plan -----------------------------------------------------------------------------------
 
 def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
-    """(plan, whole document) from a plan.json written by `memkit suggest --out`."""
-    path = Path(path)
-    if not path.is_file():
-        raise MemkitError(f"--plan {path}: no such file; `memkit suggest --out DIR` writes DIR/plan.json")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"--plan {path} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
-        raise MemkitError(f"--plan {path} has no 'plan' object; pass the plan.json that memkit suggest wrote")
-    return TrainingPlan.from_dict(doc["plan"]), doc
+    """(plan, whole document) from a plan.json written by `memkit suggest --out` (memkit.emit.plan_doc.read)."""
+    from memkit.emit import plan_doc
+
+    doc = plan_doc.read(path)
+    return doc.plan, doc.data
 
 
 def plan_model_name(doc: dict) -> str | None:
-    model = doc.get("model")
-    if isinstance(model, str):
-        return model
-    if isinstance(model, dict):
-        return model.get("name") or model.get("model")
-    return None
+    from memkit.emit.plan_doc import PlanDocument
+
+    return PlanDocument(doc).model
 
 
 def knobs_from_deepspeed(ds_config: dict) -> dict:
@@ -186,6 +178,22 @@ def _same(knob: str, plan_value, file_value) -> bool:
     return plan_value == file_value
 
 
+def check_flags(plan: TrainingPlan, flags: dict) -> None:
+    """MemkitError (one line) for the first plan flag given that contradicts plan.json: the plan
+    is what was estimated. None values are flags not given."""
+    for knob, value in flags.items():
+        if value is None:
+            continue
+        if knob not in PLAN_FLAGS:
+            raise ValueError(f"not a plan flag: {knob}")
+        if knob == "lora_targets":
+            value = tuple(value)
+        if not _same(knob, getattr(plan, knob), value):
+            shown = ",".join(value) if knob == "lora_targets" else value
+            raise MemkitError(f"--{knob.replace('_', '-')} {shown} contradicts plan.json "
+                              f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+
+
 def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | None, world_size: int,
                  distributed_type: str, config_file_hint: str = "the DeepSpeed file") -> TrainingPlan:
     """The plan this run executes, with every source agreeing.
@@ -202,10 +210,7 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
     if "lora_targets" in flags:
         flags["lora_targets"] = tuple(flags["lora_targets"])
     if plan is not None:
-        for knob, value in flags.items():
-            if not _same(knob, getattr(plan, knob), value):
-                raise MemkitError(f"--{knob.replace('_', '-')} {value} contradicts plan.json "
-                                  f"({knob}={getattr(plan, knob)}); drop the flag or make a new plan")
+        check_flags(plan, flags)
         result = plan
     else:
         result = TrainingPlan(**flags)
@@ -259,17 +264,12 @@ def resolve_plan(*, plan: TrainingPlan | None, flags: dict, ds_config: dict | No
 
 def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
     """Replace 'auto' batch/clipping values in a user's DeepSpeed config with the plan's; return keys."""
-    from memkit.emit.deepspeed import deepspeed_train_batch_size
+    from memkit.emit.deepspeed import batch_fields
 
-    values = {"train_micro_batch_size_per_gpu": plan.micro_batch_size,
-              "gradient_accumulation_steps": plan.grad_accum,
-              "train_batch_size": deepspeed_train_batch_size(plan),
-              "gradient_clipping": plan.gradient_clipping}
-    filled = []
-    for key, value in values.items():
-        if ds_config.get(key) == "auto":
-            ds_config[key] = value
-            filled.append(key)
+    values = {**batch_fields(plan), "gradient_clipping": plan.gradient_clipping}
+    filled = [key for key in ds_config if key in values and ds_config[key] == "auto"]  # in file order
+    for key in filled:
+        ds_config[key] = values[key]
     return filled
 
 
@@ -278,30 +278,23 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
 def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path, model_name: str,
                 resume: str | None, save_every: int, env: dict | None) -> None:
     """Before any process group exists: MemkitError (one line, exit 2) unless the runner can run
-    `plan`'s tensor/pipeline split on this model and this launch (memkit.train.parallel
+    `plan`'s tensor/pipeline split on this model and this launch (memkit.parallel
     .validate_parallel, rank_layout), and unless it is asked for what split runs cannot do yet.
     env: the launched process's environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE); None before
     the launch, when only the plan and the model can be checked."""
-    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.emit.plan_doc import PlanDocument
+    from memkit.parallel import rank_layout, validate_parallel
     from memkit.spec.hf import spec_from_config
-    from memkit.train.parallel import rank_layout, validate_parallel
 
     what = f"tp={plan.tp}" if plan.tp > 1 else f"pp={plan.pp}"
     if resume is not None:
-        raise MemkitError(f"--resume with {what}: checkpoints of tensor/pipeline-split runs are not supported "
-                          "yet; start the run afresh (or use a data-parallel plan, which resumes exactly)")
+        raise MemkitError(f"--resume with {what}: {SPLIT_LIMITS}; start the run afresh (or use a "
+                          "data-parallel plan, which resumes exactly)")
     if save_every:
-        raise MemkitError(f"--save-every {save_every} with {what}: checkpoints of tensor/pipeline-split runs "
-                          "are not supported yet; drop --save-every")
+        raise MemkitError(f"--save-every {save_every} with {what}: {SPLIT_LIMITS}; drop --save-every")
     spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
                             config_path=str(config_path))
-    hw = (plan_doc or {}).get("hardware") or {}
-    try:
-        gpu = find_gpu(hw.get("gpu") or "a100-80gb")
-    except MemkitError:  # a --gpu-memory plan: A100-class, as its estimate assumed
-        gpu = find_gpu("a100-80gb")
-    per_node = int(hw.get("num_gpus_per_node") or plan.num_gpus)
-    hardware = Hardware(gpu=gpu, num_gpus_per_node=per_node, num_nodes=int(hw.get("num_nodes") or 1))
+    hardware = PlanDocument({**(plan_doc or {}), "plan": plan.to_dict()}).hardware()
     validate_parallel(spec, plan, hardware)  # the model and the machines the plan was made for
     if env is None:
         return

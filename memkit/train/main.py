@@ -16,10 +16,14 @@ import os
 import signal
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from memkit.plan import ATTENTIONS, CHECKPOINTING, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.spec.resolve import ModelSource
+from memkit.train.config import RunConfig
 
 HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch)"
 
@@ -96,11 +100,30 @@ def plan_flags(args: argparse.Namespace) -> dict:
             "gradient_clipping": args.gradient_clipping}
 
 
-def prepare(args: argparse.Namespace, *, launched: bool = True):
-    """Everything that can fail on bad input, before any process group exists:
-    (plan or None, plan_doc, flags, RunConfig, model source, model config, tokenizer, data).
-    launched=False (`memkit train`, before it starts the launcher) skips the launched-world check."""
-    from memkit.train.config import RunConfig, check_split, plan_model_name, read_plan_file, scaled_lr
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """What a run starts from, every part checked against the others before any process group
+    exists (`prepare`)."""
+
+    plan: TrainingPlan | None
+    """plan.json's plan; None for a run from flags (and a DeepSpeed file) alone."""
+    plan_doc: dict | None
+    flags: dict
+    """Plan knobs given as flags (None: not given); with a plan they agree with it."""
+    run: RunConfig
+    source: ModelSource
+    model_config: Any
+    """The transformers config the model is built from."""
+    tokenizer: Any
+    data: Any
+
+
+def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
+    """Everything that can fail on bad input, before any process group exists: the plan and
+    every plan flag against it, the model, the split against the model and the launch, the
+    tokenizer and the data. launched=False (`memkit train`, before it starts the launcher) skips
+    the launched-world checks."""
+    from memkit.train.config import check_flags, check_split, plan_model_name, read_plan_file, scaled_lr
     from memkit.train.data import prepare_data
     from memkit.train.model import load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
@@ -110,6 +133,8 @@ def prepare(args: argparse.Namespace, *, launched: bool = True):
     if args.plan:
         plan, plan_doc = read_plan_file(args.plan)
     flags = plan_flags(args)
+    if plan is not None:
+        check_flags(plan, flags)  # --micro-batch-size 4 against a plan of 2: one line, before any rank starts
     model_name = args.model or (plan_model_name(plan_doc) if plan_doc else None)
     if not model_name:
         raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "
@@ -150,7 +175,8 @@ def prepare(args: argparse.Namespace, *, launched: bool = True):
         debug_oom_at_step=_env_int("MEMKIT_DEBUG_OOM_AT_STEP")).validate()
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len
-    return plan, plan_doc, flags, run, source, config, tokenizer, data
+    return Prepared(plan=plan, plan_doc=plan_doc, flags=flags, run=run, source=source, model_config=config,
+                    tokenizer=tokenizer, data=data)
 
 
 def _env_int(name: str) -> int | None:
@@ -189,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             sys.stderr.write(f"finetune: error: {exc}\n")
         return exc.exit_code
-    plan, plan_doc, flags, run, source, config, tokenizer, data = prepared
+    run = prepared.run
 
     import torch
 
@@ -202,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         tracker = LiveTensorTracker(keep_history=False)
     try:
         with tracker if tracker is not None else _Null():
-            report = train(plan_in=plan, flags=flags, run=run, data=data, tokenizer=tokenizer,
-                           model_source=source, model_config=config, plan_doc=plan_doc, tracker=tracker)
+            report = train(plan_in=prepared.plan, flags=prepared.flags, run=run, data=prepared.data,
+                           tokenizer=prepared.tokenizer, model_source=prepared.source,
+                           model_config=prepared.model_config, plan_doc=prepared.plan_doc, tracker=tracker)
     except MemkitError as exc:
         if rank == 0:
             sys.stderr.write(f"finetune: error: {exc}\n")

@@ -1,5 +1,6 @@
 """The model a run trains: loaded from a local folder with weights, or built from a config
-(a catalog name, a folder with config.json, or a config.json file) with fresh weights.
+with fresh weights. What `--model` names is resolved by memkit.spec.resolve (the same resolver
+every command uses: a folder or config.json, a catalog name or alias, a cached hub id).
 
 Then the plan's model-side knobs: attention kernel, activation checkpointing, LoRA.
 Nothing is downloaded.
@@ -7,54 +8,11 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
-from memkit.errors import MemkitError, did_you_mean
-from memkit.plan import TrainingPlan
-from memkit.presets_dir import presets_dir
+from memkit.errors import MemkitError
+from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.spec.resolve import ModelSource, resolve_model  # noqa: F401 (the one resolver; main.py uses it)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSource:
-    name: str
-    """What the user passed (--model or plan.json's model)."""
-    config_path: Path
-    folder: Path | None
-    """Folder that holds config (and maybe weights and tokenizer); None for a bare config file."""
-    has_weights: bool
-
-
-def catalog_names() -> list[str]:
-    root = presets_dir() / "models"
-    return sorted(p.name for p in root.iterdir() if (p / "config.json").exists()) if root.is_dir() else []
-
-
-def resolve_model(name: str) -> ModelSource:
-    """A local folder / config.json path, else a catalog name (presets/models/<name>/config.json)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        config = path / "config.json"
-        if not config.exists():
-            raise MemkitError(f"--model {name}: folder has no config.json; pass an HF model folder, a "
-                              "config.json file or a catalog name (memkit models)")
-        has_weights = any((path / f).exists() for f in WEIGHT_FILES)
-        return ModelSource(name=name, config_path=config, folder=path, has_weights=has_weights)
-    if path.is_file():
-        return ModelSource(name=name, config_path=path, folder=None, has_weights=False)
-    names = catalog_names()
-    key = name.lower()
-    for catalog_name in names:
-        if catalog_name.lower() == key:
-            folder = presets_dir() / "models" / catalog_name
-            return ModelSource(name=catalog_name, config_path=folder / "config.json", folder=None,
-                               has_weights=False)
-    raise MemkitError(f"--model {name!r} is neither a local folder/config.json nor a catalog model"
-                      f"{did_you_mean(name, names)}; `memkit models` lists the catalog")
 
 
 def load_config(source: ModelSource):
@@ -89,7 +47,7 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
         raise MemkitError(f"--model {source.name} is a {config.architectures[0]}; the runner trains causal "
                           "language models (…ForCausalLM)")
     set_seed(seed)
-    kwargs = {"attn_implementation": ATTN_IMPLEMENTATION[attention], "dtype": torch.float32}
+    kwargs = {"attn_implementation": HF_ATTN_IMPLEMENTATION[attention], "dtype": torch.float32}
     try:
         if source.has_weights:
             model = AutoModelForCausalLM.from_pretrained(str(source.folder), config=config, **kwargs)
@@ -120,9 +78,9 @@ def apply_plan(model, plan: TrainingPlan):
         if missing:
             linears = sorted(n for n in available if n.endswith("proj") or n in ("c_attn", "c_proj", "fc1", "fc2"))
             raise MemkitError(f"LoRA targets {missing} are not modules of this model; try some of {linears}")
-        config = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha,
-                            lora_dropout=getattr(plan, "lora_dropout", 0.0),
-                            target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
+        from memkit.emit.trainer import lora_config
+
+        config = LoraConfig(**lora_config(plan))  # the fields the bundle's adapter_config.json holds
         model = get_peft_model(model, config)
     return model
 

@@ -10,7 +10,7 @@ training_column_lm_head). ZeRO 0-2 only. Every rank of a TP group must see the s
 (DeepSpeed checks it on the first forward): shard data by `RankLayout.dp_rank`, never by rank.
 
 Pipeline parallel (plan.pp_engine == "torch"): torch.distributed.pipelining with one stage per
-rank. Each stage is the HF model cut down to its decoder layers (memkit.estimate.memory
+rank. Each stage is the HF model cut down to its decoder layers (memkit.parallel
 .stage_layers, so estimate and run split alike), the embedding on the first stage and the final
 norm + LM head on the last; the plan's grad_accum micro-batches are the pipeline micro-batches
 (ScheduleGPipe, Huang et al. 2019; Schedule1F1B, Narayanan et al. 2021, Sec. 2.2). A tied
@@ -18,184 +18,36 @@ embedding lives on the first and the last stage and their gradients are summed (
 embedding group, Shoeybi et al. 2019). Data parallel replicas of the pipeline average gradients
 over the dp group.
 
-Rank layout (one place): world = dp x pp x tp, tp innermost (DeepSpeed's AutoTP mesh is
-(data_parallel, tensor_parallel), deepspeed/utils/groups.py, _init_tp_mesh_device), so a TP group
-is tp consecutive ranks on one node.
-
-The runner cannot yet combine tp > 1 with pp > 1 (AutoTP lives inside the DeepSpeed engine, the
-pipeline path is plain torch): `validate_parallel` says so.
+Which splits run with which engine and ZeRO stage, the checks, the rank layout and the stage
+split are stated in memkit/parallel.py; this module only applies them (it needs torch).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 from functools import lru_cache
-from dataclasses import dataclass
 from typing import Any
 
+from memkit.emit.deepspeed import batch_fields
 from memkit.errors import MemkitError
-from memkit.estimate.memory import check_parallel, stage_layers
+from memkit.parallel import RankLayout, rank_layout, stage_layers  # noqa: F401 (rank_layout: loop.py imports it here)
 from memkit.plan import TrainingPlan
-from memkit.spec.hardware import Hardware
-from memkit.spec.model import ModelSpec
 
 # torch is imported inside the functions that need it, so validation stays instant (STYLE.md).
 
 IGNORE_INDEX = -100
 
-# Families whose ForCausalLM is `<base>.embed_tokens -> <base>.layers -> <base>.norm -> lm_head`
-# with per-layer masks picked by config.layer_types (transformers 5: models/<family>/modeling_*.py);
-# tests/unit/test_parallel_validation.py chains the stages of each and compares with the whole model.
-PP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-# Families with separate q/k/v/o and gate/up/down linears that AutoTP shards by name
-# (deepspeed/module_inject/auto_tp.py; their configs carry base_model_tp_plan). Fused qkv/gate_up
-# (phi3) and MoE experts are left out until a run proves them.
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
-TP_ENGINES_RUN = ("autotp",)
-PP_ENGINES_RUN = ("torch",)
-
-
-# ---- layout ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankLayout:
-    """Where one rank sits in the dp x pp x tp grid (tp innermost)."""
-
-    rank: int
-    world_size: int
-    dp: int
-    pp: int
-    tp: int
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def pp_stage(self) -> int:
-        return (self.rank // self.tp) % self.pp
-
-    @property
-    def dp_rank(self) -> int:
-        """The data shard this rank reads: every rank of a TP group and of a pipeline reads the same."""
-        return self.rank // (self.tp * self.pp)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_stage == self.pp - 1
-
-    def rank_of(self, *, dp_rank: int, pp_stage: int, tp_rank: int = 0) -> int:
-        return (dp_rank * self.pp + pp_stage) * self.tp + tp_rank
-
-    def to_dict(self) -> dict:
-        return {"rank": self.rank, "dp_rank": self.dp_rank, "pp_stage": self.pp_stage, "tp_rank": self.tp_rank}
-
-
-def rank_layout(plan: TrainingPlan, *, rank: int, world_size: int) -> RankLayout:
-    """The layout of `rank`; the one place the degrees are checked against the launched world."""
-    if plan.dp * plan.pp * plan.tp != world_size:
-        raise MemkitError(
-            f"dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.num_gpus} but {world_size} processes were "
-            f"launched; launch {plan.num_gpus} processes or choose degrees whose product is {world_size}")
-    return RankLayout(rank=rank, world_size=world_size, dp=plan.dp, pp=plan.pp, tp=plan.tp)
-
-
-# ---- validation --------------------------------------------------------------------------------
-
-def validate_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    """Raise MemkitError when the runner cannot run `plan`'s tp/pp on `spec` and `hardware`.
-
-    Adds to memkit.estimate.memory.check_parallel (degrees vs heads, layers, world size, node
-    size) what the runner itself needs: a splittable architecture, an engine it drives, TP groups
-    inside a node, and a schedule the micro-batches can fill.
-    """
-    plan.validate()
-    check_parallel(spec, plan, hardware)
-    if plan.tp == 1 and plan.pp == 1:
-        return
-    what = "tp" if plan.tp > 1 else "pp"
-    if spec.kind != "decoder":
-        raise MemkitError(
-            f"{what}={plan.tp if what == 'tp' else plan.pp} on {spec.name} ({spec.kind}, {spec.model_type}): "
-            f"memkit splits decoder-only causal LMs only; use tp=1 pp=1 (ZeRO-3 shards any model)")
-    if plan.tp > 1 and plan.pp > 1:
-        raise MemkitError(
-            f"tp={plan.tp} with pp={plan.pp}: the runner does not combine tensor and pipeline "
-            "parallelism yet; use one of them (with ZeRO/data parallel for the rest)")
-    if plan.tp > 1:
-        _check_tp(spec, plan, hardware)
-    if plan.pp > 1:
-        _check_pp(spec, plan)
-
-
-def _check_tp(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    if spec.model_type not in TP_MODEL_TYPES:
-        raise MemkitError(
-            f"tp={plan.tp} on model_type {spec.model_type!r}: the runner's tensor parallel (DeepSpeed "
-            f"AutoTP) is proven on {', '.join(TP_MODEL_TYPES)}; use tp=1 (ZeRO-3) or pp")
-    if plan.tp_engine not in TP_ENGINES_RUN:
-        raise MemkitError(f"tp engine {plan.tp_engine!r} is not run by memkit; use tp_engine 'autotp' "
-                          "(DeepSpeed AutoTP training)")
-    if plan.engine != "deepspeed":
-        raise MemkitError(f"tp={plan.tp} with engine {plan.engine!r}: AutoTP runs inside DeepSpeed; "
-                          "use engine 'deepspeed'")
-    if plan.zero_stage > 2:
-        raise MemkitError(f"tp={plan.tp} with --zero {plan.zero_stage}: DeepSpeed AutoTP training "
-                          "supports ZeRO 0-2; use --zero 2 or lower")
-    if hardware.num_gpus_per_node % plan.tp:
-        raise MemkitError(
-            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
-            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
-    if plan.is_lora:
-        raise MemkitError(f"tp={plan.tp} with LoRA: the runner does not shard peft adapters; "
-                          "use tp=1 with --lora-rank, or full fine-tuning with tp")
-
-
-def _check_pp(spec: ModelSpec, plan: TrainingPlan) -> None:
-    if spec.model_type not in PP_MODEL_TYPES:
-        raise MemkitError(
-            f"pp={plan.pp} on model_type {spec.model_type!r}: the runner splits "
-            f"{', '.join(PP_MODEL_TYPES)} into stages; use pp=1 (ZeRO-3) for this model")
-    if plan.pp_engine not in PP_ENGINES_RUN:
-        raise MemkitError(f"pp engine {plan.pp_engine!r} is not run by memkit; use pp_engine 'torch' "
-                          "(torch.distributed.pipelining)")
-    if plan.engine != "torch":
-        raise MemkitError(f"pp={plan.pp} with engine {plan.engine!r}: the pipeline runs through "
-                          "torch.distributed.pipelining, not DeepSpeed; use engine 'torch'")
-    if plan.zero_stage != 0:
-        raise MemkitError(f"pp={plan.pp} with --zero {plan.zero_stage}: the runner's pipeline path "
-                          "keeps whole optimizer states per stage; use --zero 0")
-    if plan.precision == "fp16":
-        raise MemkitError(f"pp={plan.pp} with --precision fp16: the pipeline path has no loss scaler; "
-                          "use bf16 or fp32")
-    if plan.is_lora:
-        raise MemkitError(f"pp={plan.pp} with LoRA: the runner does not pipeline peft models; use pp=1")
-    if plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
-        raise MemkitError(
-            f"pp={plan.pp} with 1F1B and --grad-accum {plan.grad_accum}: 1F1B needs at least pp "
-            f"micro-batches (torch Schedule1F1B); use --grad-accum >= {plan.pp} or pp_schedule gpipe")
-
-
 # ---- tensor parallel (DeepSpeed AutoTP) ----------------------------------------------------------
 
 def autotp_deepspeed_config(ds_config: dict, plan: TrainingPlan) -> dict:
-    """A copy of `ds_config` that runs AutoTP: the tensor_parallel block, and train_batch_size as
-    DeepSpeed checks it. Without an mpu, DeepSpeed's batch check counts every rank as a data
-    rank (deepspeed/runtime/config.py, _batch_assertion: train_batch_size == micro x accum x
-    dist.get_world_size()), so it must be micro x accum x dp x tp although only dp shards see
-    distinct data."""
+    """A copy of `ds_config` that runs AutoTP: the tensor_parallel block, and the batch fields as
+    DeepSpeed checks them (memkit.parallel.deepspeed_data_ranks: every rank of a TP group counts)."""
     out = copy.deepcopy(ds_config)
     stage = out.get("zero_optimization", {}).get("stage", 0)
     if stage > 2:
         raise MemkitError(f"DeepSpeed config has ZeRO stage {stage}; AutoTP training supports 0-2")
     out["tensor_parallel"] = {"autotp_size": plan.tp}
-    out["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-    out["gradient_accumulation_steps"] = plan.grad_accum
-    out["train_batch_size"] = plan.micro_batch_size * plan.grad_accum * plan.dp * plan.tp
+    out.update(batch_fields(plan))  # the one writer of the batch fields (memkit.emit.deepspeed)
     return out
 
 

@@ -124,7 +124,7 @@ def pp_bundle(tiny, tmp_path_factory) -> Path:
     (["--model", "gpt2"], True,
      "pp=2 on model_type 'gpt2': the runner splits llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
      "phi3 into stages; use pp=1 (ZeRO-3) for this model"),
-    (["--resume"], True, "--resume with pp=2: checkpoints of tensor/pipeline-split runs are not supported yet"),
+    (["--resume"], True, "--resume with pp=2: no checkpoints or resume yet for tp/pp runs"),
     ([], False, "dp*pp*tp = 1*2*1 = 2 but 1 processes were launched; launch 2 processes"),
 ])
 def test_finetune_refuses_what_a_split_run_cannot_do_in_one_line(args, launched, message, pp_bundle, tmp_path):

@@ -19,7 +19,8 @@ import yaml
 
 from memkit.emit.accelerate import accelerate_config
 from memkit.emit.bundle import FILES, bundle_files, plan_document, write_bundle
-from memkit.emit.deepspeed import deepspeed_config, deepspeed_train_batch_size, trainer_arguments
+from memkit.emit.deepspeed import batch_fields, deepspeed_config
+from memkit.emit.trainer import trainer_arguments
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
@@ -125,7 +126,7 @@ def test_autotp_batch_counts_every_process():
     rejects at startup under AutoTP (the checker's ds_rejects_dp_world shows it does)."""
     plan = _plan("z1-bf16-tp2-4gpu")[0]
     assert (plan.dp, plan.tp, plan.global_batch_size) == (2, 2, 12)
-    assert deepspeed_config(plan)["train_batch_size"] == deepspeed_train_batch_size(plan) == 24
+    assert deepspeed_config(plan)["train_batch_size"] == batch_fields(plan)["train_batch_size"] == 24
     assert deepspeed_config(plan)["tensor_parallel"] == {"autotp_size": 2}
 
 
@@ -172,7 +173,7 @@ def test_hf_trainer_takes_the_same_json(name, accepted):
     assert result["hf_deepspeed_config"] == "ok", result["hf_deepspeed_config"]
     # One process here: Trainer computes train_batch_size with world size 1, so a plan for several
     # ranks differs exactly there and nowhere else.
-    ds_batch = deepspeed_train_batch_size(plan)
+    ds_batch = batch_fields(plan)["train_batch_size"]
     expected = [] if ds_batch == plan.micro_batch_size * plan.grad_accum else [
         f"- ds train_batch_size={ds_batch} vs hf train_batch_size (calculated)="
         f"{plan.micro_batch_size * plan.grad_accum}"]

@@ -16,8 +16,8 @@ from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
-from memkit.train.parallel import (PP_MODEL_TYPES, TP_MODEL_TYPES, autotp_deepspeed_config, rank_layout,
-                                   validate_parallel)
+from memkit.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, rank_layout, stage_layers, validate_parallel
+from memkit.train.parallel import autotp_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -193,7 +193,6 @@ def test_chained_stages_give_the_whole_models_logits(model_type):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memkit.estimate.memory import stage_layers
     from memkit.train.parallel import split_stage_module
 
     base = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5, "num_attention_heads": 4,

@@ -161,11 +161,16 @@ def test_impossible_global_batch_lists_nearby_achievable_ones():
     assert type(info.value) is MemkitError and info.value.exit_code == 2
 
 
-def test_tp_auto_can_meet_a_batch_that_pure_data_parallel_cannot():
-    result = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, split="auto"))
-    plan = result.chosen.plan
-    assert plan.dp in (1, 2, 4) and plan.global_batch_size == 4
-    assert any("not divisible by 8 GPUs" in n for n in result.notes)
+def test_batch_arithmetic_alone_never_picks_a_split():
+    # Issue #8: a batch of 4 on 8 GPUs used to be met by a tp/pp split (which cannot checkpoint);
+    # now the planner names the global batches data parallelism meets, and a pinned split still works.
+    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*nearby "
+                                          r"achievable global batches: 8; or split the model on purpose with "
+                                          r"--tp N / --pp N \(data-parallel degrees 1, 2, 4\)"):
+        search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, split="auto"))
+    pinned = search(request("llama-3.2-1b", hw("a100-80gb", 8), 4, 1024, tp=2))
+    assert (pinned.chosen.plan.tp, pinned.chosen.plan.dp, pinned.chosen.plan.global_batch_size) == (2, 4, 4)
+    assert any("not divisible by 8 GPUs" in n for n in pinned.notes)
 
 
 @pytest.mark.parametrize("pins, message", [
@@ -175,7 +180,7 @@ def test_tp_auto_can_meet_a_batch_that_pure_data_parallel_cannot():
     ({"zero_stage": 2, "offload_params": "cpu"}, r"parameter offload exists only in ZeRO-3; use --zero 3"),
     ({"precision": "bf16-pure", "zero_stage": 0}, r"bf16-pure with --zero 0"),
     ({"tp": 3}, r"--tp 3 must divide the 8 GPUs per node"),
-    ({"tp": 2, "lora_rank": 8}, r"LoRA plans are data-parallel only"),
+    ({"tp": 2, "lora_rank": 8}, r"tp=2 with LoRA: the runner does not shard peft adapters"),
     ({"headroom": 0.95}, r"--headroom 95% must be between 0% and 90%"),
     ({"max_micro_batch": 0}, r"--max-micro-batch 0 must be >= 1"),
     ({"objective": "speed"}, r"--objective 'speed' is not one of throughput, memory"),

@@ -11,7 +11,7 @@ from memkit.estimate.memory import estimate_memory
 from memkit.planner import NoPlanFits, Request, search
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
-from memkit.train.parallel import validate_parallel
+from memkit.parallel import validate_parallel
 from memkit.units import GIB
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-2-2b", "llama-3.1-8b", "phi-2", "opt-1.3b", "qwen2.5-14b"]

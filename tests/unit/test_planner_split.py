@@ -1,7 +1,7 @@
 """Model splits in the planner and the runner's plan checks: tp/pp are offered only as the runner
-runs them (memkit.train.parallel.validate_parallel), chosen when and only when nothing fits
-without them (default) or the step-time model says they are faster (--tp/--pp auto), explained
-in one line; bad split requests are one line, exit 2."""
+runs them (memkit.parallel.validate_parallel), chosen when and only when nothing fits
+without them or the step-time model says they are faster by more than its stated uncertainty
+(never for batch arithmetic), explained in one line; bad split requests are one line, exit 2."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,12 @@ from memkit.cli.main import main
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.planner import NoPlanFits, Request, search
+from memkit.planner.search import STEP_TIME_UNCERTAINTY
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.train.config import check_split, knobs_from_deepspeed, resolve_plan
-from memkit.train.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
+from memkit.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
 from memkit.units import GIB
 
 
@@ -60,8 +61,10 @@ def test_if_needed_keeps_data_parallel_when_it_fits_and_auto_splits_when_faster(
     auto = search(request("llama-3.2-1b", "a100-40gb", 4, 8, 8192, split="auto"))
     assert auto.chosen.plan.tp == 2 and auto.chosen.speed.step_time_s < default.chosen.speed.step_time_s
     ratio = default.chosen.speed.step_time_s / auto.chosen.speed.step_time_s
+    assert ratio > 1 + STEP_TIME_UNCERTAINTY
     assert auto.split_reason.startswith(f"tensor parallel 2 (DeepSpeed AutoTP): {ratio:.2f}x faster than the best "
                                         f"data-parallel plan ({default.chosen.label}, ")
+    assert f"more than its {STEP_TIME_UNCERTAINTY:.0%} uncertainty" in auto.split_reason
     assert "it saves offload traffic over PCIe" in auto.split_reason
 
 
@@ -76,10 +79,11 @@ def test_pinned_split_says_so():
     assert result.split_reason == "pipeline parallel 2 (torch.distributed.pipelining, 1F1B): pinned by --pp 2"
 
 
-def test_if_needed_does_not_split_to_fix_the_batch_arithmetic():
-    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*; or allow a "
-                                          r"model split with --tp auto / --pp auto \(data-parallel degrees 1, 2, 4\)"):
-        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024, split="if-needed"))
+@pytest.mark.parametrize("split", ["if-needed", "auto"])
+def test_no_split_mode_splits_to_fix_the_batch_arithmetic(split):
+    with pytest.raises(MemkitError, match=r"--global-batch-size 4 cannot be met exactly: .*\(8\).*; or split the "
+                                          r"model on purpose with --tp N / --pp N \(data-parallel degrees 1, 2, 4\)"):
+        search(request("llama-3.2-1b", "a100-80gb", 8, 4, 1024, split=split))
 
 
 # ---- what is offered: only what the runner runs ----------------------------------------------------
@@ -143,7 +147,7 @@ def test_every_split_structure_is_runnable():
     ("gpt2", ["--pp", "2"], "pp=2 on model_type 'gpt2': the runner splits llama"),
     ("llama-3.2-1b", ["--tp", "2", "--pp", "2"], "tp=2 with pp=2: the runner does not combine"),
     ("llama-3.2-1b", ["--pp", "2", "--zero", "1"], "pp=2 with --zero 1: the runner's pipeline path"),
-    ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "--tp 2 with offload: memkit runs DeepSpeed "
+    ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "tp=2 with offload: memkit runs DeepSpeed "
                                                                   "AutoTP without ZeRO offload"),
     ("llama-3.2-1b", ["--pp", "4", "--global-batch-size", "2"], "--pp 4 with --global-batch-size 2: the 1F1B "
                                                                 "pipeline needs at least 4 micro-batches"),
@@ -186,8 +190,7 @@ def test_split_plans_keep_their_degrees_and_must_fill_the_world():
 @pytest.mark.parametrize("config, plan, kw, message", [
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 100, "n_positions": 128},
      TP2, {}, r"tp=2 on model_type 'gpt2'"),
-    (TINY, PP2, {"resume": "latest"}, r"--resume with pp=2: checkpoints of tensor/pipeline-split runs are not "
-                                      r"supported yet"),
+    (TINY, PP2, {"resume": "latest"}, r"--resume with pp=2: no checkpoints or resume yet for tp/pp runs"),
     (TINY, TP2, {"save_every": 5}, r"--save-every 5 with tp=2: .* drop --save-every"),
     (TINY, PP2, {"env": {"WORLD_SIZE": "4", "RANK": "0"}}, r"dp\*pp\*tp = 1\*2\*1 = 2 but 4 processes were launched"),
     (TINY, TP2, {"env": {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}},

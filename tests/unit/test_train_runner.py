@@ -2,6 +2,7 @@
 normalisation over an accumulation window, LoRA merging, checkpoint discovery, launch scripts."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -273,3 +274,46 @@ def test_memkit_train_dry_run_uses_the_plans_accelerate_config(tmp_path, capsys)
     args = cmd[7:]
     assert args[args.index("--max-steps") + 1] == "7" and args[args.index("--plan") + 1] == str(plan_path)
     assert "--resume" in args and args[args.index("--output-dir") + 1] == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--micro-batch-size", "4"], "--micro-batch-size 4 contradicts plan.json (micro_batch_size=2)"),
+    (["--seq-len", "512"], "--seq-len 512 contradicts plan.json (seq_len=1024)"),
+    (["--lora-targets", "q_proj"], "--lora-targets q_proj contradicts plan.json (lora_targets=('q_proj', 'v_proj'))"),
+])
+def test_prepare_checks_every_flag_against_the_plan_before_any_rank(tmp_path, flags, message):
+    # launched=True as under accelerate launch: the contradiction is found before the model, the
+    # data or any process group (finetune prints the one line and exits 2).
+    import argparse
+    import re
+
+    from memkit.train.main import add_arguments, prepare
+
+    plan = TrainingPlan(micro_batch_size=2, grad_accum=4, seq_len=1024, lora_rank=8)
+    (tmp_path / "plan.json").write_text(json.dumps({"model": "llama-3.2-1b", "plan": plan.to_dict()}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--plan", str(tmp_path / "plan.json"), "--data", "synthetic", "--output-dir",
+                              str(tmp_path / "out"), *flags])
+    with pytest.raises(MemkitError, match=re.escape(f"{message}; drop the flag or make a new plan")):
+        prepare(args)
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_prepare_returns_a_typed_run_description(tmp_path):
+    import argparse
+
+    from memkit.train.main import Prepared, add_arguments, prepare
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # An alias and a hub id resolve as they do for suggest (memkit.spec.resolve, the one resolver).
+    args = parser.parse_args(["--model", "llama3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path),
+                              "--seq-len", "64", "--micro-batch-size", "2"])
+    prepared = prepare(args, launched=False)
+    assert isinstance(prepared, Prepared) and prepared.plan is None
+    assert prepared.source.name == "llama-3.2-1b" and prepared.source.hub_id == "meta-llama/Llama-3.2-1B"
+    assert prepared.flags["micro_batch_size"] == 2 and prepared.flags["seq_len"] == 64
+    assert prepared.model_config.vocab_size == 128256
+    args.model = "meta-llama/Llama-3.2-1B"
+    assert prepare(args, launched=False).source.config_path == prepared.source.config_path

@@ -1,0 +1,223 @@
+"""plan.json, the one plan document: built here (from a search result), written here (as text),
+read here (from a file, checked), and the Hardware it was made for rebuilt here. `memkit suggest`,
+the preset generator, `memkit explain` / `verify` / `launch-script` and the runner all go
+through this module; none of them builds or parses the document itself.
+
+Format (format_version 1): model, hardware, request, plan, label, estimate, step_time, engines,
+trainer_arguments, alternatives, rejected, notes, versions; suggest adds budget_bytes,
+split_reason, split_limits and search.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from memkit.emit.trainer import trainer_arguments
+from memkit.errors import MemkitError
+from memkit.parallel import SPLIT_LIMITS, engines
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
+
+PLAN_FORMAT_VERSION = 1
+DEFAULT_LR = 2e-5
+VERSION_KEYS = ("versions",)
+"""Keys that differ between machines that made the same plan (installed versions)."""
+
+
+def versions() -> dict:
+    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
+    out = {}
+    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+
+def hardware_dict(hardware: Hardware) -> dict:
+    """The hardware a plan is made for, as plan.json records it."""
+    return {"gpu": hardware.gpu.name, "gpu_memory_bytes": hardware.gpu.memory_bytes,
+            "num_gpus_per_node": hardware.num_gpus_per_node, "num_nodes": hardware.num_nodes,
+            "host_ram_bytes_per_node": hardware.host_ram_bytes_per_node,
+            "nvme_bytes_per_node": hardware.nvme_bytes_per_node, "inter_node_gbps": hardware.inter_node_gbps}
+
+
+def hardware_from_dict(hw: dict) -> Hardware:
+    """The Hardware `hardware_dict` recorded: the catalog GPU by name, or (a --gpu-memory plan) a
+    custom GPU of the recorded memory, as the estimate assumed (spec.hardware.custom_gpu)."""
+    try:
+        gpu = find_gpu(str(hw.get("gpu")))
+    except MemkitError:
+        if not isinstance(hw.get("gpu_memory_bytes"), int):
+            raise MemkitError(f"plan.json hardware names GPU {hw.get('gpu')!r}, which is not in the catalog, and "
+                              "no gpu_memory_bytes; regenerate plan.json with memkit suggest") from None
+        gpu = custom_gpu(hw["gpu_memory_bytes"])
+    optional = {k: hw[k] for k in ("host_ram_bytes_per_node", "nvme_bytes_per_node", "inter_node_gbps") if k in hw}
+    return Hardware(gpu=gpu, num_gpus_per_node=int(hw.get("num_gpus_per_node") or 1),
+                    num_nodes=int(hw.get("num_nodes") or 1), **optional).validate()
+
+
+# ---- build -------------------------------------------------------------------------------------
+
+def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory, speed,
+                  request: dict | None = None, alternatives: list[dict] | None = None,
+                  rejected: list[dict] | None = None, notes: list[str] | None = None,
+                  label: str = "", lr: float = DEFAULT_LR, version_info: dict | None = None) -> dict:
+    """plan.json: the plan, what memkit predicts for it, and what it was made for."""
+    return {
+        "format_version": PLAN_FORMAT_VERSION,
+        "model": model_name,
+        "hardware": hardware,
+        "request": request or {},
+        "plan": plan.to_dict(),
+        "label": label,
+        "estimate": memory.to_dict(),
+        "step_time": speed.to_dict(),
+        "engines": engines(plan),
+        "trainer_arguments": trainer_arguments(plan, lr=lr),
+        "alternatives": alternatives or [],
+        "rejected": rejected or [],
+        "notes": notes or [],
+        "versions": versions() if version_info is None else version_info,
+    }
+
+
+def request_dict(request) -> dict:
+    """The workload and the pins of a planner Request (pins only when given)."""
+    out = {"global_batch_size": request.global_batch_size, "seq_len": request.seq_len,
+           "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
+           "split": request.split}
+    for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
+                "checkpointing", "max_micro_batch", "tp", "pp"):
+        value = getattr(request, key)
+        if value is not None:
+            out[key] = value
+    if not request.allow_offload:
+        out["allow_offload"] = False
+    if request.lora_rank:
+        out["lora_rank"] = request.lora_rank
+        out["lora_targets"] = list(request.lora_targets)
+    return out
+
+
+def candidate_dict(cand) -> dict:
+    return {"label": cand.label, "plan": cand.plan.to_dict(), "tier": cand.tier,
+            "nvidia_smi_peak_bytes": cand.memory.nvidia_smi_peak_bytes,
+            "reserved_peak_bytes": cand.memory.reserved_peak_bytes,
+            "allocated_peak_bytes": cand.memory.allocated_peak_bytes,
+            "host_bytes_per_node": cand.memory.host_bytes_per_node,
+            "components": dict(cand.memory.components),
+            "step_time_s": cand.speed.step_time_s, "tokens_per_s": cand.speed.tokens_per_s, "mfu": cand.speed.mfu}
+
+
+def rejection_dict(rej) -> dict:
+    return {"label": rej.label, "plan": rej.plan.to_dict(), "reason": rej.reason,
+            "nvidia_smi_peak_bytes": rej.device_peak_bytes, "host_bytes_per_node": rej.host_bytes_per_node,
+            "needs": list(rej.needs), "step_time_s_if_it_fit": rej.step_time_s}
+
+
+def build(result, *, lr: float = DEFAULT_LR, elapsed_s: float | None = None,
+          version_info: dict | None = None) -> dict:
+    """plan.json for a planner SearchResult (what `memkit suggest --out` and the presets write)."""
+    req = result.request
+    chosen = result.chosen
+    doc = plan_document(
+        model_name=req.model.name, plan=chosen.plan, hardware=hardware_dict(req.hardware), memory=chosen.memory,
+        speed=chosen.speed, request=request_dict(req), label=chosen.label, lr=lr,
+        alternatives=[candidate_dict(c) for c in result.alternatives],
+        rejected=[rejection_dict(r) for r in result.rejected],
+        notes=list(result.notes) + ([f"micro-batch limit: {chosen.micro_limit}"] if chosen.micro_limit else []),
+        version_info=version_info)
+    doc["budget_bytes"] = req.budget_bytes
+    if result.split_reason:
+        doc["split_reason"] = result.split_reason
+    if chosen.plan.tp > 1 or chosen.plan.pp > 1:
+        doc["split_limits"] = SPLIT_LIMITS
+    doc["search"] = {"num_structures": result.num_structures, "num_memory_estimates": result.num_memory_estimates}
+    if elapsed_s is not None:
+        doc["search"]["seconds"] = round(elapsed_s, 4)
+    return doc
+
+
+# ---- write and read ----------------------------------------------------------------------------
+
+def to_text(document: dict) -> str:
+    """plan.json's text (the bundle writer writes it)."""
+    return json.dumps(document, indent=2) + "\n"
+
+
+def comparable(document: dict) -> dict:
+    """The document without what differs between machines (VERSION_KEYS): presets compare so."""
+    return {k: v for k, v in document.items() if k not in VERSION_KEYS}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDocument:
+    """A plan.json that was read and checked; `data` is the document as written."""
+
+    data: dict
+    path: Path | None = None
+
+    @property
+    def plan(self) -> TrainingPlan:
+        return TrainingPlan.from_dict(self.data["plan"])
+
+    @property
+    def model(self) -> str | None:
+        model = self.data.get("model")
+        if isinstance(model, dict):  # older hand-written documents
+            return model.get("name") or model.get("model")
+        return model if isinstance(model, str) else None
+
+    @property
+    def lr(self) -> float:
+        return float((self.data.get("trainer_arguments") or {}).get("learning_rate", DEFAULT_LR))
+
+    def hardware(self) -> Hardware:
+        """The Hardware the plan was made for. What a hand-written plan.json leaves out is read
+        as one node of A100-80GB (the GPU `custom_gpu` also assumes) holding every rank."""
+        hw = dict(self.data.get("hardware") or {})
+        hw.setdefault("gpu", "a100-80gb")
+        hw.setdefault("num_nodes", 1)
+        hw.setdefault("num_gpus_per_node", max(1, self.plan.num_gpus // max(1, int(hw["num_nodes"]))))
+        return hardware_from_dict(hw)
+
+
+def parse(text: str, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocument:
+    """A PlanDocument from plan.json's text; MemkitError (one line) when it is not one."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MemkitError(f"{where} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict):
+        raise MemkitError(f"{where} holds a JSON {type(doc).__name__}: not a memkit plan.json")
+    missing = [k for k in require if k not in doc]
+    if missing:
+        raise MemkitError(f"{where} lacks {', '.join(missing)}: not a memkit plan.json; pass the plan.json "
+                          "that memkit suggest wrote")
+    if not isinstance(doc.get("plan"), dict):
+        raise MemkitError(f"{where} has no 'plan' object; pass the plan.json that memkit suggest wrote")
+    out = PlanDocument(doc)
+    out.plan  # unknown keys / bad values: one line now, not later
+    return out
+
+
+def read(path_text: str | Path, *, flag: str = "--plan", require: tuple[str, ...] = ("plan",)) -> PlanDocument:
+    """Read and check plan.json at `path_text` (or in that folder)."""
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "plan.json"
+    given = f"{flag} {path_text}" if flag else str(path_text)
+    if not path.is_file():
+        raise MemkitError(f"{given}: no such file; `memkit suggest --out DIR` writes DIR/plan.json")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MemkitError(f"{given}: cannot read it ({exc.strerror})") from None
+    doc = parse(text, where=f"{flag} {path}" if flag else str(path), require=require)
+    return PlanDocument(doc.data, path)

@@ -1,0 +1,93 @@
+"""The Hugging Face Trainer path of a plan: every TrainingArguments flag, the model kwargs and the
+peft config a user's own Trainer script needs to train the plan that was priced, in one
+structured form (`trainer_recipe`). The bundle README prints it; tests/unit/test_trainer_fidelity.py
+builds TrainingArguments from the printed flags and checks, knob by knob, that what Trainer would
+run is the plan.
+
+What decides what (transformers integrations/deepspeed.py, HfTrainerDeepSpeedConfig and
+deepspeed_optim_sched): ds_config.json decides ZeRO stage, offload and the 16-bit mode; Trainer
+checks per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, learning_rate,
+adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16 against it. The optimizer comes from
+the config's "optimizer" block when it has one, else Trainer builds `--optim` (8-bit AdamW,
+Adafactor: the config then has none). Checkpointing, the attention kernel and LoRA are model
+settings no DeepSpeed file carries: --gradient_checkpointing, from_pretrained(attn_implementation=)
+and a peft config file.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
+from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+
+HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+"""TrainingArguments.optim for each plan optimizer (transformers training_args.py, OptimizerNames).
+adamw_bnb_8bit is bitsandbytes' 8-bit AdamW and `adafactor` is transformers' Adafactor with
+scale_parameter=False, relative_step=False (transformers trainer_optimizer.py): the optimizers
+memkit prices and its runner builds (memkit/train/loop.py). Under DeepSpeed, adamw and sgd are
+built from ds_config.json's optimizer block and --optim is not used."""
+PEFT_CONFIG_FILE = "adapter_config.json"
+"""The file name peft's LoraConfig.from_pretrained(folder) reads (peft/utils/constants.py, CONFIG_NAME)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerRecipe:
+    """What a Trainer script must be given to run a plan."""
+
+    arguments: dict
+    """TrainingArguments field -> value (besides --deepspeed and --output_dir)."""
+    model_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of AutoModelForCausalLM.from_pretrained."""
+    peft_config: dict | None = None
+    """peft LoraConfig fields (the bundle writes them to PEFT_CONFIG_FILE); None: full fine-tuning."""
+    max_length: int = 2048
+    """Tokens per training sequence: tokenize / pack the data to this length (Trainer has no flag)."""
+
+    def flags(self, *, deepspeed_path: str | None = None) -> list[str]:
+        """The command-line flags, as HfArgumentParser(TrainingArguments) parses them."""
+        out = [f"--deepspeed {deepspeed_path}"] if deepspeed_path else []
+        for key, value in self.arguments.items():
+            if isinstance(value, dict):
+                out.append(f"--{key} '{json.dumps(value)}'")
+            else:
+                out.append(f"--{key} {value}")
+        return out
+
+
+def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> dict:
+    """The transformers TrainingArguments that agree with `deepspeed_config(plan)` and carry the
+    model settings it cannot (checkpointing, optimizer when DeepSpeed does not build it)."""
+    args = {
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "max_grad_norm": plan.gradient_clipping,
+        "learning_rate": lr,
+        "weight_decay": weight_decay,
+        "adam_beta1": ADAM_BETAS[0],
+        "adam_beta2": ADAM_BETAS[1],
+        "adam_epsilon": ADAM_EPS,
+        "bf16": plan.precision in ("bf16", "bf16-pure"),
+        "fp16": plan.precision == "fp16",
+        "optim": HF_OPTIM[plan.optimizer],
+        "gradient_checkpointing": plan.checkpointing == "full",
+    }
+    if plan.checkpointing == "full":
+        # Non-reentrant, as memkit's runner does (memkit/train/model.py, apply_plan).
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    return args
+
+
+def lora_config(plan: TrainingPlan) -> dict | None:
+    """peft LoraConfig fields of the plan's adapters (None for full fine-tuning); the runner and
+    the bundle's adapter_config.json both take them from here."""
+    if not plan.is_lora:
+        return None
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": plan.lora_rank, "lora_alpha": plan.lora_alpha,
+            "lora_dropout": plan.lora_dropout, "target_modules": list(plan.lora_targets), "bias": "none"}
+
+
+def trainer_recipe(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> TrainerRecipe:
+    return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
+                         model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
+                         peft_config=lora_config(plan), max_length=plan.seq_len)

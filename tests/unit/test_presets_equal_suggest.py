@@ -1,0 +1,45 @@
+"""Every preset under presets/plans/ is what `memkit suggest --out` writes for its request today:
+the same files, byte for byte, apart from plan.json's installed versions (issue #8: presets
+once used their own host-RAM default and chose differently from suggest).
+
+`python -m memkit.presets_gen` is the one way presets are written; rerun it after any change to
+the estimator, the planner or the emitters (tests/unit/test_planner_presets.py says when).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memkit.cli.main import main
+from memkit.emit.plan_doc import VERSION_KEYS, comparable, to_text
+from memkit.presets_dir import presets_dir
+from memkit.presets_gen import COUNTS, FILES, GPUS, MODELS, SEQ_LENS, PresetRequest
+
+PLANS = presets_dir() / "plans"
+NAMES = sorted(p.name for p in PLANS.iterdir()) if PLANS.is_dir() else []
+REQUESTS = {r.name: r for r in (PresetRequest(m, g, n, s, lora) for m in MODELS for g in GPUS.values()
+                                 for n in COUNTS for s in SEQ_LENS for lora in (False, True))}
+
+
+def test_every_preset_names_a_request():
+    assert NAMES and set(NAMES) <= set(REQUESTS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preset_is_what_suggest_writes(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # so that --out is the preset's own relative path
+    out = f"presets/plans/{name}"
+    assert main(["suggest", *REQUESTS[name].suggest_argv(), "--out", out]) == 0
+    capsys.readouterr()
+    committed = sorted(p.name for p in (PLANS / name).iterdir())
+    written = sorted(f for f in FILES if (tmp_path / out / f).is_file())
+    assert committed == written
+    for fname in written:
+        ours, theirs = (tmp_path / out / fname).read_text(), (PLANS / name / fname).read_text()
+        if fname == "plan.json":  # byte for byte once the installed versions are the committed ones
+            doc = json.loads(ours)
+            assert set(doc) - set(VERSION_KEYS) == set(comparable(json.loads(theirs)))
+            doc.update({k: json.loads(theirs)[k] for k in VERSION_KEYS})
+            ours = to_text(doc)
+        assert ours == theirs, fname
