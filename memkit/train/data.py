@@ -124,6 +124,10 @@ def _hold_out(records: list[dict], fraction: float, *, seed: int, source: str):
             [r for i, r in enumerate(records) if i in chosen])
 
 
+EXAMPLE_PARTS = {"prompt_completion": "prompt + completion + eos", "alpaca": "prompt + output + eos",
+                 "chat": "the conversation rendered with its chat template"}
+
+
 def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
                        source: str, what: str) -> PackedData:
     from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
@@ -150,7 +154,7 @@ def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: in
                     for p, a in zip(prompts, answers)]
     for (ids, _), record in zip(examples, records):
         if len(ids) > seq_len:
-            raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens (prompt + answer + eos), "
+            raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
                               f"longer than --seq-len {seq_len}; shorten it or raise --seq-len")
     if packing:
         return _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
