@@ -99,3 +99,36 @@ def suggest(model, *, global_batch_size: int, seq_len: int, gpu: str | None = No
                       hardware=hardware(gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes),
                       **pins).validate()
     return search(request, num_alternatives=num_alternatives)
+
+
+def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay: float = 0.0, **overrides):
+    """transformers.TrainingArguments that train `plan` with your own Trainer / SFTTrainer: the
+    flags of the bundle README's Trainer recipe (memkit.emit.trainer.trainer_arguments).
+
+    plan: a TrainingPlan, or a plan.json (or the folder `memkit suggest --out` wrote); for a
+    DeepSpeed plan.json the ds_config.json beside it becomes `deepspeed` (absolute path).
+    overrides: any other TrainingArguments field (max_steps, logging_steps, report_to, ...).
+    Model-side settings (attention kernel, LoRA) are not TrainingArguments: see
+    memkit.emit.trainer.trainer_recipe(plan).model_kwargs / .peft_config.
+    """
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+
+    from memkit.emit.trainer import trainer_arguments
+    from memkit.plan import TrainingPlan
+
+    deepspeed = None
+    if not isinstance(plan, TrainingPlan):
+        from memkit.emit.plan_doc import read
+
+        document = read(plan, flag="")
+        plan = document.plan
+        beside = Path(document.path).resolve().parent / "ds_config.json"
+        if plan.engine == "deepspeed" and beside.is_file():
+            deepspeed = str(beside)
+    args = trainer_arguments(plan, lr=lr, weight_decay=weight_decay)
+    if deepspeed is not None:
+        args["deepspeed"] = deepspeed
+    args.update(overrides)
+    return TrainingArguments(output_dir=output_dir, **args)

@@ -66,3 +66,27 @@ def test_api_estimate_and_suggest_match_the_library():
     result = memkit.suggest("llama-3.1-8b", gpu="a100-80gb", num_gpus=8, global_batch_size=64, seq_len=2048)
     chosen = result.chosen.plan
     assert chosen.micro_batch_size * chosen.grad_accum * chosen.dp == 64
+
+
+def test_training_arguments_carry_the_plan(tmp_path):
+    from memkit.plan import TrainingPlan
+
+    plan = TrainingPlan(precision="fp32", micro_batch_size=2, grad_accum=4, checkpointing="full", seq_len=64,
+                        engine="torch")
+    args = memkit.training_arguments(plan, output_dir=str(tmp_path), lr=3e-4, max_steps=5, use_cpu=True)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
+    assert (args.learning_rate, args.max_steps, args.bf16, args.fp16) == (3e-4, 5, False, False)
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.max_grad_norm == plan.gradient_clipping and args.deepspeed is None
+
+
+def test_training_arguments_from_a_plan_json_use_the_deepspeed_file_beside_it(tmp_path):
+    from runner_util import write_bundle
+
+    from memkit.plan import TrainingPlan
+
+    plan = TrainingPlan(precision="fp32", zero_stage=2, micro_batch_size=1, grad_accum=2, seq_len=64, dp=2)
+    _, plan_path = write_bundle(tmp_path / "bundle", plan)
+    args = memkit.training_arguments(plan_path.parent, output_dir=str(tmp_path / "hf"))
+    assert args.deepspeed == str((tmp_path / "bundle" / "ds_config.json").resolve())
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 2)
