@@ -245,7 +245,7 @@ def check_data(source: str, *, seq_len: int | None) -> None:
         return
     path = Path(source)
     if path.is_dir():
-        from memkit.train.data import DATASETS_MARKERS
+        from memkit.train.records import DATASETS_MARKERS
 
         if not any((path / name).exists() for name in DATASETS_MARKERS):
             raise MemkitError(f"--data {source} is a folder but not a datasets folder (no "
@@ -254,9 +254,13 @@ def check_data(source: str, *, seq_len: int | None) -> None:
     if not path.exists():
         raise MemkitError(f"--data {source}: no such file or folder; pass a .jsonl, .txt, a datasets folder "
                           "(save_to_disk) or 'synthetic'")
-    from memkit.fileio import check_text_file
+    from memkit.fileio import check_file, check_text_file
 
-    check_text_file(path, what="--data", fix="pass a .jsonl, .txt, a datasets folder or 'synthetic'")
+    if path.suffix.lower() == ".parquet":  # binary by design: datasets reads it (train/records.py)
+        check_file(path, what="--data")
+    else:
+        check_text_file(path, what="--data", fix="pass a .jsonl, .json, .csv, .parquet, .txt, a datasets "
+                        "folder or 'synthetic'")
     if path.stat().st_size == 0:
         raise MemkitError(f"--data {source} is empty; it needs at least one record")
 

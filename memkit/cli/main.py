@@ -21,6 +21,7 @@ COMMANDS = {
     "verify": "memkit.cli.verify",
     "train": "memkit.cli.train",
     "launch-script": "memkit.cli.launch_script",
+    "doctor": "memkit.cli.doctor",
 }
 
 

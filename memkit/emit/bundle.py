@@ -130,8 +130,8 @@ def _rmdir_quietly(folder: Path) -> None:
 
 def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
                    extra: str = "") -> str:
-    """The command that runs the bundle (launch/finetune.py: `--help` lists its flags)."""
-    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
+    """The command that runs the bundle (the runner module memkit.finetune: `--help` lists its flags)."""
+    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml -m memkit.finetune "
             f"--plan {out_dir}/plan.json --model {document['model']} --data {data} "
             f"--output-dir {out_dir}/run{extra}")
 

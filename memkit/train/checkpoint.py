@@ -334,17 +334,40 @@ def merge_lora_state_dict(state: dict, *, scaling: float) -> dict:
     return out
 
 
-def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None) -> None:
-    """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective."""
+def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None,
+                     adapter_dir: Path | None = None, base_model: str | None = None) -> None:
+    """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective.
+
+    A LoRA run also writes the adapter alone to `adapter_dir` (adapter_model.safetensors +
+    adapter_config.json, what PeftModel.from_pretrained loads onto the base model). It is not put
+    inside `folder`: transformers' from_pretrained treats a folder with adapter_config.json as an
+    adapter and loads its base model instead (transformers: utils/peft_utils.py, find_adapter_config_file).
+    """
     state = gathered_state_dict(accelerator, model)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return
     unwrapped = accelerator.unwrap_model(model)
     if lora_scaling is not None:  # a PeftModel: save the merged weights under the base model
+        if adapter_dir is not None:
+            save_adapter(unwrapped, state, adapter_dir, base_model=base_model)
         state = merge_lora_state_dict(state, scaling=lora_scaling)
         unwrapped = unwrapped.get_base_model()
     folder.mkdir(parents=True, exist_ok=True)
     unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     accelerator.wait_for_everyone()
+
+
+def save_adapter(peft_model, state: dict, folder: Path, *, base_model: str | None) -> None:
+    """The LoRA weights alone from the gathered full state dict (peft: PeftModel.save_pretrained,
+    which keeps the adapter keys via get_peft_model_state_dict)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = peft_model.peft_config["default"]
+    saved_base = config.base_model_name_or_path
+    if base_model is not None:
+        config.base_model_name_or_path = base_model
+    try:
+        peft_model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+    finally:
+        config.base_model_name_or_path = saved_base

@@ -16,6 +16,7 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_bat
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
+REPORT_TO = ("tensorboard", "none")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +58,14 @@ class RunConfig:
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
     debug_oom_at_step: int | None = None
     """Testing aid (env MEMKIT_DEBUG_OOM_AT_STEP): rank 0 raises torch.OutOfMemoryError at this step."""
+    num_epochs: float | None = None
+    """--num-epochs: max_steps becomes ceil(num_epochs x sequences / global batch) once the plan is known."""
+    eval_every: int = 0
+    """Eval loss every N optimizer steps (0: only at the end) when the data have an eval set."""
+    report_to: str = "tensorboard"
+    """'tensorboard' (event files in output_dir/tensorboard) or 'none'."""
+    overwrite: bool = False
+    """Replace a run already in output_dir (memkit.train.output_dir)."""
 
     def validate(self) -> "RunConfig":
         if self.max_steps < 1:
@@ -71,6 +80,12 @@ class RunConfig:
             raise MemkitError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
         if self.keep_checkpoints < 1:
             raise MemkitError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
+        if self.num_epochs is not None and not self.num_epochs > 0:
+            raise MemkitError(f"--num-epochs {self.num_epochs} must be > 0")
+        if self.eval_every < 0:
+            raise MemkitError(f"--eval-every {self.eval_every} must be >= 0")
+        if self.report_to not in REPORT_TO:
+            raise MemkitError(f"--report-to {self.report_to!r} is not one of {', '.join(REPORT_TO)}")
         return self
 
 

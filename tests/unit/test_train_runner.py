@@ -270,8 +270,8 @@ def test_memkit_train_dry_run_uses_the_plans_accelerate_config(tmp_path, capsys)
                  "--output-dir", str(tmp_path / "out"), "--max-steps", "7", "--resume", "--dry-run"]) == 0
     cmd = capsys.readouterr().out.split()
     assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(config)]
-    assert cmd[5].endswith("launch/finetune.py")
-    args = cmd[6:]
+    assert cmd[5:7] == ["-m", "memkit.finetune"]  # the module: works from any directory
+    args = cmd[7:]
     assert args[args.index("--max-steps") + 1] == "7" and args[args.index("--plan") + 1] == str(plan_path)
     assert "--resume" in args and args[args.index("--output-dir") + 1] == str(tmp_path / "out")
 
