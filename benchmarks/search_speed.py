@@ -32,6 +32,9 @@ CASES = [
     ("llama-3.1-70b", "h100-80gb", 8, 8, 1024, 8192, "auto", 2048),
     ("llama-3.1-70b", "rtx-4090", 1, 1, 8, 4096, "if-needed", 256),
     ("llama-3.1-70b", "rtx-4090", 8, 1, 64, 4096, "if-needed", 256),
+    # micro-batch options come from factorising the per-rank batch (planner/space.py
+    # divisors_up_to), so a 10^9-sequence batch costs what a 64-sequence one does
+    ("llama-3.1-8b", "a100-80gb", 8, 1, 1_000_000_000, 2048, "dp", 1024),
 ]
 
 

@@ -24,6 +24,9 @@ ENGINES = ("deepspeed", "torch")
 TP_ENGINES = ("autotp", "tp_plan")
 PP_ENGINES = ("torch", "deepspeed")
 PP_SCHEDULES = ("1f1b", "gpipe")
+MAX_MICRO_BATCH = 65_536
+"""Largest micro-batch (sequences per GPU per step) memkit accepts or searches: 64k sequences of
+even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a real model."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

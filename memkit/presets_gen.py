@@ -135,7 +135,7 @@ def _readme(rows, misses) -> str:
         "rejected). Run one from the repository root:",
         "",
         "```",
-        "accelerate launch --config_file presets/plans/<name>/accelerate.yaml launch/finetune.py \\",
+        "accelerate launch --config_file presets/plans/<name>/accelerate.yaml -m memkit.finetune \\",
         "    --plan presets/plans/<name>/plan.json --model <checkpoint folder> --data train.jsonl --output-dir out/",
         "```",
         "",

@@ -47,6 +47,9 @@ def _recheck(doc: dict) -> dict:
     from memkit.emit.plan_doc import PlanDocument
     from memkit.spec.hf import load_model_spec
 
+    from memkit.plan_schema import check_hardware_sizes
+
+    check_hardware_sizes(doc["hardware"], where="plan.json")  # --check rebuilds the Hardware from them
     document = PlanDocument(doc)
     hardware, plan = document.hardware(), document.plan
     model = load_model_spec(document.model)

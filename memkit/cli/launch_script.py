@@ -75,9 +75,16 @@ def run(args: argparse.Namespace) -> int:
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
                 port=args.port, python=args.python, entry=entry, finetune_args=finetune_args)
     text = slurm_script(**body) if args.slurm else hostfile_script(hosts=hosts, **body)
+    from memkit.fileio import temp_beside
+
     out = Path(args.out)
-    out.write_text(text)
-    out.chmod(out.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    tmp = temp_beside(out)  # written whole, then renamed: a failure never leaves half a script
+    try:
+        tmp.write_text(text)
+        tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     how = f"sbatch {out}" if args.slurm else f"bash {out}"
     print(f"wrote {out}: {num_machines} nodes x {per_node} processes; start it with `{how}`")
     return 0
@@ -85,11 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
 def read_hostfile(path: str) -> tuple[list[str], int | None]:
     """Hosts in order, and their common slots=N if the file gives it."""
-    file = Path(path)
-    if not file.is_file():
-        raise MemkitError(f"--hostfile {path}: no such file")
+    from memkit.fileio import read_text
+
     hosts, slots = [], set()
-    for line_no, line in enumerate(file.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(read_text(path, what="--hostfile").splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue

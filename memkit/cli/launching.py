@@ -1,4 +1,4 @@
-"""What `memkit train`, `verify` and `launch-script` share: where launch/finetune.py is, which
+"""What `memkit train`, `verify` and `launch-script` share: how the runner is started, which
 accelerate config goes with a plan, and the `accelerate launch` command line."""
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from memkit.errors import MemkitError
 
 
 def finetune_entry() -> list[str]:
-    """launch/finetune.py beside the package (checkout or editable install), else the module."""
-    script = Path(__file__).resolve().parents[2] / "launch" / "finetune.py"
-    if script.is_file():
-        return [str(script)]
-    return ["-m", "memkit.train.main"]
+    """The runner as a module (`python -m` / accelerate launch's -m): found through sys.path, so the
+    command works from any directory and with a pip-installed memkit (no launch/ folder needed)."""
+    return ["-m", "memkit.finetune"]
 
 
 def accelerate_config_for(plan_path: str | None, config_file: str | None) -> Path | None:
@@ -36,16 +34,21 @@ def read_accelerate_config(path: Path) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
+        from memkit.fileio import read_text
+
+        data = yaml.safe_load(read_text(path, what="accelerate config"))
     except yaml.YAMLError as exc:
         raise MemkitError(f"{path} is not YAML ({exc})") from None
     if not isinstance(data, dict):
         raise MemkitError(f"{path} is not an accelerate config (expected a mapping)")
+    if not {"distributed_type", "compute_environment"} & set(data):  # what `accelerate config` always writes
+        raise MemkitError(f"{path} is not an accelerate config (no distributed_type); pass the accelerate.yaml "
+                          "that memkit suggest --out wrote")
     return data
 
 
 def launch_command(config_file: Path | None, finetune_args: list[str]) -> list[str]:
-    """`accelerate launch --config_file X launch/finetune.py ARGS`, or plain python without a config."""
+    """`accelerate launch --config_file X -m memkit.finetune ARGS`, or plain python without a config."""
     if config_file is None:
         return [sys.executable, *finetune_entry(), *finetune_args]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),

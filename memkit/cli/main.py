@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from memkit.validate import check_args, harden
 from memkit.errors import MemkitError
 
 COMMANDS = {
@@ -20,6 +21,7 @@ COMMANDS = {
     "verify": "memkit.cli.verify",
     "train": "memkit.cli.train",
     "launch-script": "memkit.cli.launch_script",
+    "doctor": "memkit.cli.doctor",
     "calibrate": "memkit.cli.calibrate",
 }
 
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
-    return parser
+    return harden(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,13 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_args(args)  # ranges, paths, data: before anything is launched or written
         return int(args._run(args) or 0)
     except MemkitError as exc:
-        sys.stderr.write(f"memkit: error: {exc}\n")
+        sys.stderr.write(f"memkit: error: {' '.join(str(exc).split())}\n")  # one line, always
         return exc.exit_code
     except BrokenPipeError:  # `memkit ... | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the file system said no after the checks (disk full, a race): one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        sys.stderr.write(f"memkit: error: {where}{exc.strerror or exc}; check the path, its permissions "
+                         "and free space\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("memkit: interrupted\n")
         return 130

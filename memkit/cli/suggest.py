@@ -115,22 +115,34 @@ def run(args: argparse.Namespace) -> int:
 
     doc = plan_doc.build(result, lr=args.lr)  # what plan.json holds (the presets hold the same)
     written = []
-    if args.out:
-        from memkit.emit.bundle import bundle_files, write_bundle
+    plot_tmp = None
+    try:
+        if args.plot:  # drawn first, beside its target: a plot that fails leaves --out untouched
+            from memkit.fileio import temp_beside
+            from memkit.plot import plot_estimates
 
-        files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
-                             largest_param_numel=largest_param_numel(request.model),
-                             main_process_ip=args.main_process_ip)
-        written = [str(p) for p in write_bundle(args.out, files)]
-    doc["search"]["seconds"] = round(elapsed, 4)  # shown, not written: plan.json stays reproducible
-    if args.plot:
-        from memkit.plot import plot_estimates
+            items = [(f"chosen: {result.chosen.label}", result.chosen.memory)]
+            items += [(f"alt {i}: {c.label}", c.memory) for i, c in enumerate(result.alternatives, 1)]
+            plot_tmp = temp_beside(args.plot)
+            plot_estimates(items, path=str(plot_tmp), budget_bytes=request.budget_bytes,
+                           title=f"{request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name}")
+        if args.out:
+            from memkit.emit.bundle import bundle_files, write_bundle
 
-        items = [(f"chosen: {result.chosen.label}", result.chosen.memory)]
-        items += [(f"alt {i}: {c.label}", c.memory) for i, c in enumerate(result.alternatives, 1)]
-        plot_estimates(items, path=args.plot, budget_bytes=request.budget_bytes,
-                       title=f"{request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name}")
+            files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
+                                 largest_param_numel=largest_param_numel(request.model),
+                                 main_process_ip=args.main_process_ip)
+            written = [str(p) for p in write_bundle(args.out, files)]  # all or nothing
+    except BaseException:
+        if plot_tmp is not None:
+            plot_tmp.unlink(missing_ok=True)
+        raise
+    if plot_tmp is not None:
+        import os
+
+        os.replace(plot_tmp, args.plot)
         written.append(args.plot)
+    doc["search"]["seconds"] = round(elapsed, 4)  # shown, not written: plan.json stays reproducible
     if args.json:
         out = dict(doc)
         out["written"] = written
@@ -157,7 +169,7 @@ def _report_no_fit(args, request, exc) -> int:
     else:
         rows = [[m.label, m.reason, "; and ".join(m.needs) or "-"] for m in exc.misses]
         print(f"No plan fits {request.model.name} on {request.hardware.num_gpus} x {request.hardware.gpu.name} "
-              f"(budget {request.budget_bytes / GIB:.1f} GiB per GPU). Nearest misses:")
+              f"(budget {request.budget_bytes / GIB:.1f} GiB per GPU)." + (" Nearest misses:" if rows else ""))
         if rows:
             print(format_table(["plan", "why it does not fit", "what it would need"], rows))
     sys.stderr.write(f"memkit: error: {exc}\n")

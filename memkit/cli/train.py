@@ -1,10 +1,10 @@
-"""memkit train: `accelerate launch` launch/finetune.py with the plan's accelerate config.
+"""memkit train: `accelerate launch -m memkit.finetune` with the plan's accelerate config.
 
     memkit train --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 is the same as
 
-    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+    accelerate launch --config_file runs/x/accelerate.yaml -m memkit.finetune \\
         --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 The data, model and plan are checked here first, so a bad file is one line and exit code 2
@@ -14,12 +14,12 @@ is a single plain process.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from memkit.cli.launching import accelerate_config_for, child_env, launch_command, quote, to_argv
+from memkit.cli.supervise import Supervisor
 
-HELP = "fine-tune under a plan: accelerate launch launch/finetune.py with the plan's config"
+HELP = "fine-tune under a plan: accelerate launch -m memkit.finetune with the plan's config"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from memkit.train.main import add_arguments as finetune_arguments
     from memkit.train.main import prepare
 
+    from memkit.validate import check_run
+
+    check_run(args)  # flags vs plan.json, the model's shape: before any process starts
     prepare(args, launched=False)  # raises MemkitError (one line, exit 2) on bad data/model/plan
     config_file = accelerate_config_for(args.plan, args.config_file)
     parser = argparse.ArgumentParser(add_help=False)
@@ -49,5 +52,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"memkit train: {quote(cmd)}", file=sys.stderr)
     sys.stderr.flush()
-    os.execvpe(cmd[0], cmd, child_env())  # signals (SIGTERM from a scheduler) reach the launcher
-    return 0  # not reached
+    # SIGTERM (a scheduler's preemption) / SIGINT go to the launcher, which relays them to the ranks;
+    # they checkpoint and stop; memkit then exits 143 / 130 (memkit.cli.supervise).
+    status, code = Supervisor(cmd, env=child_env()).run()
+    if status == "signal":
+        print(f"memkit train: stopped by a signal (exit {code}); resume with --resume", file=sys.stderr)
+    return int(code or 0)

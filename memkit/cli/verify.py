@@ -1,6 +1,6 @@
 """memkit verify: run a few steps of a plan on this machine; print predicted vs measured.
 
-It starts `accelerate launch --config_file <plan dir>/accelerate.yaml launch/finetune.py` for
+It starts `accelerate launch --config_file <plan dir>/accelerate.yaml -m memkit.finetune` for
 --steps optimizer steps on synthetic tokens (or --data), then reads the run's report. Running
 out of memory is a result, not a crash: the report says where, and the next-ranked plan from
 plan.json's alternatives that is predicted to need less memory. A run that does not finish
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -48,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     if config_file is None:
         raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file (memkit suggest --out "
                           "writes accelerate.yaml next to plan.json)")
-    _check_devices(read_accelerate_config(config_file), config_file)
+    acc = read_accelerate_config(config_file)
+    _check_devices(acc, config_file)
+    _check_op_builds(plan, acc, config_file)
     out_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="memkit-verify-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.json"
@@ -56,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         report_path.unlink()
     finetune_args = ["--plan", args.plan, "--data", args.data, "--output-dir", str(out_dir),
                      "--max-steps", str(args.steps), "--no-save-final", "--no-progress",
-                     "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0"]
+                     "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0",
+                     "--overwrite"]  # a scratch run: a repeated verify replaces the last one
     if args.model:
         finetune_args += ["--model", args.model]
     cmd = launch_command(config_file, finetune_args)
@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"memkit verify: {args.steps} steps of {args.plan} under {config_file} (log: {log_path})",
               file=sys.stderr)
     status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
+    if status == "signal":
+        print(f"memkit verify: stopped by a signal; the launcher and every rank are stopped (log: {log_path})",
+              file=sys.stderr)
+        return returncode
     report = _read_report(report_path, out_dir)
     if report is None:
         report = {"status": status if status != "ok" else "failed", "returncode": returncode,
@@ -98,31 +102,33 @@ def _check_devices(acc: dict, path: Path) -> None:
                           f"plan for {torch.cuda.device_count()} GPU(s)")
 
 
+def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
+    """Before launching: a stale DeepSpeed build lock is an error here (the ranks would wait on it
+    forever, silently, in the log); a compile the run will do is announced (memkit.train.ops)."""
+    from memkit.train.ops import announce_builds
+
+    ds_file = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds_file:
+        return
+    path = Path(ds_file)
+    if not path.is_absolute() and not path.is_file():
+        path = config_file.parent / path.name
+    try:
+        ds_config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # the runner reports a missing or broken DeepSpeed file itself
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; --json owns it
+        announce_builds(plan, ds_config)
+
+
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
+    """Run the launch; SIGTERM/SIGINT stop the launcher and its ranks (memkit.cli.supervise)."""
+    from memkit.cli.supervise import Supervisor
+
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
-                                start_new_session=True)
-        try:
-            return ("ok" if proc.wait(timeout=timeout_s) == 0 else "failed"), proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return "timeout", None
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            raise
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        return Supervisor(cmd, env=child_env(), stdout=log, grace_s=30.0).run(timeout_s=timeout_s)
 
 
 def _read_report(report_path: Path, out_dir: Path) -> dict | None:

@@ -59,23 +59,79 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
 
 
 def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
+    """Write `files` into `out_dir` all or nothing; bundle files the new plan lacks (a stale
+    ds_config.json after a pipeline plan) are removed. Other files in the folder are left alone.
+
+    Each file is written and fsynced in a temporary folder inside `out_dir` first, and the old
+    bundle files are hard-linked aside; only then is each moved into place with os.replace (atomic
+    per file; POSIX.1-2017, rename). If any step fails, the old files are put back, so a failed
+    `suggest` leaves `--out` exactly as it was (a folder it had to create is removed again).
+    """
+    import os
+    import shutil
+    import tempfile
+
     root = Path(out_dir)
+    created = [p for p in [root, *root.parents] if not p.exists()]
+    if root.exists() and not root.is_dir():
+        raise MemkitError(f"--out {out_dir} is a file, not a folder; pick a folder path")
+    for name in FILES:
+        if (root / name).exists() and not (root / name).is_file():
+            raise MemkitError(f"--out {out_dir}: {root / name} is not a regular file; move it away or pick "
+                              "another folder")
     try:
         root.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".memkit-bundle-", dir=root))
     except OSError as exc:
-        raise MemkitError(f"--out {out_dir}: cannot create the folder ({exc.strerror}); pick a writable path")
-    written = []
-    for name, text in files.items():
-        path = root / name
-        path.write_text(text)
-        written.append(path)
-    return written
+        for folder in created:
+            _rmdir_quietly(folder)
+        raise MemkitError(f"--out {out_dir}: cannot create the folder ({exc.strerror}); pick a writable path") from None
+    moved: list[str] = []
+    removed: list[str] = []
+    try:
+        for name, text in files.items():
+            with open(stage / name, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+        (stage / "old").mkdir()
+        for name in FILES:
+            if (root / name).is_file():
+                os.link(root / name, stage / "old" / name)
+        for name in files:
+            os.replace(stage / name, root / name)
+            moved.append(name)
+        for name in FILES:
+            if name not in files and (root / name).is_file():
+                os.unlink(root / name)
+                removed.append(name)
+    except OSError as exc:
+        for name in moved + removed:  # put the old bundle back
+            old = stage / "old" / name
+            if old.is_file():
+                os.replace(old, root / name)
+            elif (root / name).is_file():
+                os.unlink(root / name)
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in created:
+            _rmdir_quietly(folder)
+        raise MemkitError(f"--out {out_dir}: cannot write the bundle ({exc.strerror or exc}); nothing was "
+                          "changed; pick a writable folder") from None
+    shutil.rmtree(stage, ignore_errors=True)
+    return [root / name for name in files]
+
+
+def _rmdir_quietly(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
                    extra: str = "") -> str:
-    """The command that runs the bundle (launch/finetune.py: `--help` lists its flags)."""
-    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
+    """The command that runs the bundle (the runner module memkit.finetune: `--help` lists its flags)."""
+    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml -m memkit.finetune "
             f"--plan {out_dir}/plan.json --model {document['model']} --data {data} "
             f"--output-dir {out_dir}/run{extra}")
 

@@ -188,12 +188,12 @@ class PlanDocument:
         return hardware_from_dict(hw)
 
 
-def parse(text: str, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocument:
-    """A PlanDocument from plan.json's text; MemkitError (one line) when it is not one."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"{where} is not JSON ({exc.msg} at line {exc.lineno})") from None
+def check(doc, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocument:
+    """A PlanDocument from plan.json's parsed JSON; MemkitError (one line) when it is not one.
+    A document `memkit suggest` wrote (it has format_version) is checked field by field
+    (memkit.plan_schema); a hand-written one gets its plan and hardware checked."""
+    from memkit.plan_schema import check_plan_document, check_plan_fields
+
     if not isinstance(doc, dict):
         raise MemkitError(f"{where} holds a JSON {type(doc).__name__}: not a memkit plan.json")
     missing = [k for k in require if k not in doc]
@@ -202,22 +202,29 @@ def parse(text: str, *, where: str, require: tuple[str, ...] = ("plan",)) -> Pla
                           "that memkit suggest wrote")
     if not isinstance(doc.get("plan"), dict):
         raise MemkitError(f"{where} has no 'plan' object; pass the plan.json that memkit suggest wrote")
-    out = PlanDocument(doc)
-    out.plan  # unknown keys / bad values: one line now, not later
-    return out
+    if "format_version" in doc:
+        check_plan_document(doc, where=where)
+    else:
+        check_plan_fields(doc["plan"], where=where)
+        TrainingPlan.from_dict(doc["plan"]).validate()
+        hw = doc.get("hardware", {})
+        if not isinstance(hw, dict):
+            raise MemkitError(f"{where}: 'hardware' is not an object; make the file again with memkit suggest --out")
+        for key in ("num_gpus_per_node", "num_nodes"):
+            value = hw.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MemkitError(f"{where}: hardware.{key} is {value!r}, not a positive integer")
+    return PlanDocument(doc)
 
 
 def read(path_text: str | Path, *, flag: str = "--plan", require: tuple[str, ...] = ("plan",)) -> PlanDocument:
-    """Read and check plan.json at `path_text` (or in that folder)."""
+    """Read and check plan.json at `path_text` (or in that folder); OS, decoding and JSON errors
+    are one line (memkit.fileio)."""
+    from memkit.fileio import read_json
+
     path = Path(path_text)
     if path.is_dir():
         path = path / "plan.json"
-    given = f"{flag} {path_text}" if flag else str(path_text)
-    if not path.is_file():
-        raise MemkitError(f"{given}: no such file; `memkit suggest --out DIR` writes DIR/plan.json")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise MemkitError(f"{given}: cannot read it ({exc.strerror})") from None
-    doc = parse(text, where=f"{flag} {path}" if flag else str(path), require=require)
-    return PlanDocument(doc.data, path)
+    doc = read_json(path, what=flag, fix="`memkit suggest --out DIR` writes DIR/plan.json")
+    checked = check(doc, where=f"{flag} {path}" if flag else str(path), require=require)
+    return PlanDocument(checked.data, path)

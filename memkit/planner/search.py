@@ -569,6 +569,13 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
             what += f"; it needs {' and '.join(best.needs)}"
     elif rejected:
         what += f"; e.g. {rejected[0].label}: {rejected[0].reason}"
+    else:  # not one plan shape was left to estimate: say why instead of an empty table
+        pins = [f"{k}={getattr(request, k)}" for k in ("precision", "optimizer", "zero_stage", "offload_optimizer",
+                                                       "offload_params", "checkpointing", "max_micro_batch",
+                                                       "tp", "pp") if getattr(request, k) is not None]
+        what += (f"; no plan shape is possible: the pins ({', '.join(pins) or 'none'}) and global batch "
+                 f"{request.global_batch_size} over the layouts' data-parallel degrees exclude every "
+                 "layout; drop a pin or change --global-batch-size")
     return NoPlanFits(what, tuple(misses))
 
 
@@ -578,8 +585,7 @@ def _needs(request: Request, ev: _Evaluator, miss: Rejection) -> tuple[str, ...]
     hw = request.hardware
     needs = []
     if miss.device_peak_bytes > ev.budget:
-        need_device = miss.device_peak_bytes / (1.0 - request.headroom)
-        options = [f"a GPU with >= {need_device / GIB:.1f} GiB"]
+        options = [f"a GPU with >= {_fitting_gpu_gib(request, ev, miss)} GiB"]
         if miss.plan.zero_stage >= 1:
             for factor in (2, 4, 8, 16, 32, 64):
                 total = hw.num_gpus * factor
@@ -606,5 +612,43 @@ def _needs(request: Request, ev: _Evaluator, miss: Rejection) -> tuple[str, ...]
                 seq //= 2
         needs.append("(" + " or ".join(options) + ")" if len(options) > 1 else options[0])
     if miss.host_bytes_per_node > hw.host_ram_bytes_per_node:
-        needs.append(f">= {miss.host_bytes_per_node / GIB:.0f} GiB host RAM per node (--host-ram)")
+        needs.append(f">= {_fitting_host_gib(request, ev, miss)} GiB host RAM per node (--host-ram)")
     return tuple(needs)
+
+
+def _fitting_gpu_gib(request: Request, ev: _Evaluator, miss: Rejection) -> int:
+    """Whole GiB of device memory at which `miss` fits, rounded UP and checked by re-estimating on
+    a GPU of that size (the estimate itself depends on the device: CUDA context, allocator)."""
+    import math
+
+    from memkit.spec.hardware import custom_gpu
+
+    hw = request.hardware
+    size = math.ceil(miss.device_peak_bytes / (1.0 - request.headroom) / GIB)
+    for _ in range(8):
+        bigger = replace(hw, gpu=custom_gpu(size * GIB, like=hw.gpu))
+        try:
+            peak = device_peak_bytes(ev.estimator(request.model, miss.plan, bigger))
+        except MemkitError:
+            return size
+        if peak <= int((1.0 - request.headroom) * size * GIB):
+            return size
+        size = max(size + 1, math.ceil(peak / (1.0 - request.headroom) / GIB))
+    return size
+
+
+def _fitting_host_gib(request: Request, ev: _Evaluator, miss: Rejection) -> int:
+    """Whole GiB of host RAM per node at which `miss`'s host side fits, rounded UP and re-estimated."""
+    import math
+
+    size = math.ceil(miss.host_bytes_per_node / GIB)
+    for _ in range(8):
+        roomier = replace(request.hardware, host_ram_bytes_per_node=size * GIB)
+        try:
+            host = ev.estimator(request.model, miss.plan, roomier).host_bytes_per_node
+        except MemkitError:
+            return size
+        if host <= size * GIB:
+            return size
+        size = max(size + 1, math.ceil(host / GIB))
+    return size

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from memkit.errors import MemkitError
 from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              validate_parallel)
-from memkit.plan import CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.plan import CHECKPOINTING, MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 
@@ -247,8 +247,30 @@ def micro_batch_options(request: Request, dp: int, pp: int = 1) -> tuple[int, ..
     """Micro-batch sizes that divide the per-rank batch exactly (no silent flooring); under a
     pipeline, only those leaving at least pp micro-batches (torch Schedule1F1B needs them)."""
     per_rank = request.global_batch_size // dp
-    cap = request.max_micro_batch or per_rank
-    return tuple(m for m in range(1, min(per_rank, cap) + 1) if per_rank % m == 0 and per_rank // m >= pp)
+    cap = min(request.max_micro_batch or MAX_MICRO_BATCH, MAX_MICRO_BATCH, per_rank)
+    return tuple(m for m in divisors_up_to(per_rank, cap) if per_rank // m >= pp)
+
+
+def divisors_up_to(n: int, cap: int) -> list[int]:
+    """The divisors of n that are <= cap, ascending, in time independent of n: trial division
+    by p <= min(cap, sqrt(rest)) (a prime factor above cap is in no divisor <= cap; a rest with no
+    factor <= its square root is prime), then every product of the prime powers that stays <= cap."""
+    primes: list[tuple[int, int]] = []
+    rest, p = n, 2
+    while p <= cap and p * p <= rest:
+        if rest % p == 0:
+            count = 0
+            while rest % p == 0:
+                rest //= p
+                count += 1
+            primes.append((p, count))
+        p += 1 if p == 2 else 2
+    if 1 < rest <= cap:
+        primes.append((rest, 1))
+    divisors = [1]
+    for prime, count in primes:
+        divisors = [d * prime**k for d in divisors for k in range(count + 1) if d * prime**k <= cap]
+    return sorted(divisors)
 
 
 def _offload_combos(request: Request, zero: int) -> list[tuple[str, str]]:

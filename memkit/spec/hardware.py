@@ -1,7 +1,6 @@
 """GPU catalog (presets/gpus.json) and the Hardware a plan runs on."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -80,7 +79,9 @@ class Hardware:
 @lru_cache(maxsize=1)
 def gpu_catalog() -> dict[str, GPU]:
     """Every catalog GPU by name (aliases resolved by `find_gpu`)."""
-    data = json.loads((presets_dir() / "gpus.json").read_text())
+    from memkit.fileio import read_json_object
+
+    data = read_json_object(presets_dir() / "gpus.json", what="GPU catalog")
     out = {}
     for row in data["gpus"]:
         row = dict(row)

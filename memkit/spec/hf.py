@@ -11,7 +11,6 @@ No torch or transformers import here: config work is instant (STYLE.md, litgpt).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -74,20 +73,9 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise MemkitError(f"config file {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise MemkitError(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MemkitError(f"{str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}; "
-                          "fix the file or fetch it again") from None
-    if not isinstance(data, dict):
-        raise MemkitError(f"{str(path)!r} holds a JSON {type(data).__name__}, not a config object")
-    return data
+    from memkit.fileio import read_json_object  # OS/decoding/JSON errors as one line
+
+    return read_json_object(path, what="config file", noun="config object")
 
 
 # ---------------------------------------------------------------- config access
@@ -130,6 +118,8 @@ class _Cfg:
     def check_int(self, key: str, value) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MemkitError(f"{self.source}: {key}={value!r} must be a positive integer")
+        if value >= 2**31:  # no released model comes near; sizes past int32 are a typo (issue 11)
+            raise MemkitError(f"{self.source}: {key}={value} is implausibly large (>= 2^31); fix the config")
         return value
 
     def flag(self, key: str, default: bool) -> bool:

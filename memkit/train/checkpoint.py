@@ -8,17 +8,27 @@ an atomic replace of the `latest` pointer. A crash at any moment leaves either t
 checkpoint or the new one complete, never a half-written one under a published name
 (rename(2) is atomic within a file system; POSIX.1-2017, rename). Requires the output
 directory on a file system all ranks share (as DeepSpeed's own checkpoints do).
+
+Last of all, before the rename, `manifest.json` lists every file of the checkpoint with its size
+and SHA-256 (the ranks hash the files between them). Resuming verifies it, the RNG state files
+included (Accelerate's load_state skips an unreadable random_states_N.pkl with a log message at
+INFO level, accelerate/checkpointing.py load_accelerator_state): a damaged checkpoint is named in
+one line and the newest intact one is used instead, which is also said in one line.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from memkit.errors import MemkitError
 
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
 LATEST = "latest"
 PREFIX = "step-"
 
@@ -67,6 +77,9 @@ class CheckpointManager:
             os._exit(9)
         if acc.is_main_process:
             _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+        acc.wait_for_everyone()
+        write_manifest(tmp, step=step, accelerator=acc)
+        if acc.is_main_process:
             for dirpath, _, filenames in os.walk(tmp):
                 for name in filenames:
                     _fsync_path(Path(dirpath) / name)
@@ -98,15 +111,37 @@ class CheckpointManager:
 
     def load(self, path: Path) -> dict:
         """Collective: restore model, optimizer, loss scaler, RNG; return trainer_state.json."""
+        from memkit.fileio import read_json_object
+
         state_file = Path(path) / STATE_FILE
         if not state_file.is_file():
             raise MemkitError(f"--resume {path}: not a complete memkit checkpoint (no {STATE_FILE})")
-        state = json.loads(state_file.read_text())
+        state = read_json_object(state_file, what="checkpoint state")
         if state.get("world_size") != self.accelerator.num_processes:
             raise MemkitError(f"--resume {path} was written by {state.get('world_size')} processes; this "
                               f"run has {self.accelerator.num_processes}; ZeRO partitions need the same count")
         self.accelerator.load_state(str(path))
         return state
+
+    def damage(self, path: Path) -> str | None:
+        """Collective: what is wrong with checkpoint `path` (one phrase naming the file), or None
+        when every file matches its manifest entry. Same answer on every rank."""
+        problem = _check_manifest(Path(path), self.accelerator)
+        return next((p for p in _gather([problem], self.accelerator) if p), None)
+
+    def candidates(self) -> list[Path]:
+        """Published checkpoints, the `latest` pointer's first, then newest to oldest."""
+        done = list(reversed(self.complete()))
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            try:
+                named = self.root / pointer.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                named = None
+            if named in done:
+                done.remove(named)
+                done.insert(0, named)
+        return done
 
     def _prune(self) -> None:
         for old in self.complete()[:-self.keep]:
@@ -114,16 +149,131 @@ class CheckpointManager:
 
 
 def resolve_resume(resume: str | None, manager: CheckpointManager) -> Path | None:
+    """Collective. 'latest': the newest checkpoint whose files match its manifest (each damaged one
+    named in one line on stderr, and the fallback said); None when there is none yet (a requeued
+    job's first run). A path: that checkpoint, verified."""
     if resume is None:
         return None
+    main = _rank(manager.accelerator) == 0
     if resume == "latest":
-        found = manager.latest()
-        return found  # nothing yet: start from scratch (a requeued job's first run)
+        found = manager.candidates()
+        skipped = []
+        for path in found:
+            problem = manager.damage(path)
+            if problem is None:
+                if skipped and main:
+                    print(f"memkit: resuming from {path.name}, the newest intact checkpoint "
+                          f"({len(skipped)} damaged one(s) skipped: {', '.join(skipped)})", file=sys.stderr)
+                return path
+            skipped.append(path.name)
+            if main:
+                print(f"memkit: checkpoint {path} is damaged: {problem}; skipping it", file=sys.stderr)
+        if skipped:
+            raise MemkitError(f"--resume: every checkpoint under {manager.root} is damaged ({', '.join(skipped)}); "
+                              "move them away to start afresh")
+        return None
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise MemkitError(f"--resume {resume}: no complete checkpoint there (no {STATE_FILE}); pass a "
                           f"{PREFIX}N folder under {manager.root} or --resume latest")
+    problem = manager.damage(path)
+    if problem is not None:
+        raise MemkitError(f"--resume {resume}: the checkpoint is damaged ({problem}); pass another "
+                          f"{PREFIX}N folder, or --resume alone for the newest intact one")
     return path
+
+
+# ---- the manifest -----------------------------------------------------------------------------
+
+def write_manifest(folder: Path, *, step: int, accelerator) -> None:
+    """Collective: every rank hashes its share of `folder`'s files; rank 0 writes manifest.json."""
+    files = _file_digests(folder, _my_share(_listing(folder), accelerator))
+    files = dict(_gather(sorted(files.items()), accelerator))
+    if _rank(accelerator) == 0:
+        _write_atomic(folder / MANIFEST, json.dumps({"format_version": MANIFEST_VERSION, "step": step,
+                                                     "world_size": _world(accelerator), "files": files},
+                                                    indent=1, sort_keys=True))
+
+
+def _listing(folder: Path) -> list[str]:
+    """Every file under `folder` (relative POSIX paths, sorted) except the manifest itself."""
+    out = []
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(folder).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _rank(accelerator) -> int:
+    return 0 if accelerator is None else accelerator.process_index
+
+
+def _world(accelerator) -> int:
+    return 1 if accelerator is None else accelerator.num_processes
+
+
+def _my_share(names: list[str], accelerator) -> list[str]:
+    """This rank's files to hash (all of them in a single process, accelerator None)."""
+    return names[_rank(accelerator)::_world(accelerator)]
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+
+
+def _gather(items: list, accelerator) -> list:
+    """Every rank's `items`, concatenated in rank order, on every rank (torch all_gather_object)."""
+    if _world(accelerator) == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return list(gather_object(list(items)))
+
+
+def expected_files(world_size: int) -> list[str]:
+    """Files every checkpoint must hold: the trainer state and each process's RNG states
+    (accelerate/checkpointing.py save_accelerator_state: f"{RNG_STATE_NAME}_{process_index}.pkl")."""
+    from accelerate.utils import RNG_STATE_NAME
+
+    return [STATE_FILE] + [f"{RNG_STATE_NAME}_{i}.pkl" for i in range(world_size)]
+
+
+def _check_manifest(folder: Path, accelerator) -> str | None:
+    """This rank's share of the verification: None if its files match the manifest."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():  # from before manifests: published atomically, not verifiable
+        if _rank(accelerator) == 0:
+            print(f"memkit: checkpoint {folder} has no {MANIFEST} (written by an older memkit); its files "
+                  "are not verified", file=sys.stderr)
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable or not a memkit manifest"
+    missing = [n for n in expected_files(int(manifest.get("world_size") or 0)) if n not in files]
+    if missing:
+        return f"{missing[0]} is not in {MANIFEST}"
+    for name in _my_share(sorted(files), accelerator):
+        entry = files[name]
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} is {size} bytes, the manifest says {entry.get('bytes')} (truncated or replaced)"
+        if _sha256(path) != entry.get("sha256"):
+            return f"{name} does not match its SHA-256 in {MANIFEST} (corrupted)"
+    return None
 
 
 # ---- the final model --------------------------------------------------------------------------
@@ -184,17 +334,40 @@ def merge_lora_state_dict(state: dict, *, scaling: float) -> dict:
     return out
 
 
-def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None) -> None:
-    """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective."""
+def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None,
+                     adapter_dir: Path | None = None, base_model: str | None = None) -> None:
+    """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective.
+
+    A LoRA run also writes the adapter alone to `adapter_dir` (adapter_model.safetensors +
+    adapter_config.json, what PeftModel.from_pretrained loads onto the base model). It is not put
+    inside `folder`: transformers' from_pretrained treats a folder with adapter_config.json as an
+    adapter and loads its base model instead (transformers: utils/peft_utils.py, find_adapter_config_file).
+    """
     state = gathered_state_dict(accelerator, model)
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return
     unwrapped = accelerator.unwrap_model(model)
     if lora_scaling is not None:  # a PeftModel: save the merged weights under the base model
+        if adapter_dir is not None:
+            save_adapter(unwrapped, state, adapter_dir, base_model=base_model)
         state = merge_lora_state_dict(state, scaling=lora_scaling)
         unwrapped = unwrapped.get_base_model()
     folder.mkdir(parents=True, exist_ok=True)
     unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     accelerator.wait_for_everyone()
+
+
+def save_adapter(peft_model, state: dict, folder: Path, *, base_model: str | None) -> None:
+    """The LoRA weights alone from the gathered full state dict (peft: PeftModel.save_pretrained,
+    which keeps the adapter keys via get_peft_model_state_dict)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = peft_model.peft_config["default"]
+    saved_base = config.base_model_name_or_path
+    if base_model is not None:
+        config.base_model_name_or_path = base_model
+    try:
+        peft_model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+    finally:
+        config.base_model_name_or_path = saved_base

@@ -3,7 +3,6 @@ file that actually runs) and the RunConfig (everything that is not a memory knob
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_bat
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
+REPORT_TO = ("tensorboard", "none")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +58,14 @@ class RunConfig:
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
     debug_oom_at_step: int | None = None
     """Testing aid (env MEMKIT_DEBUG_OOM_AT_STEP): rank 0 raises torch.OutOfMemoryError at this step."""
+    num_epochs: float | None = None
+    """--num-epochs: max_steps becomes ceil(num_epochs x sequences / global batch) once the plan is known."""
+    eval_every: int = 0
+    """Eval loss every N optimizer steps (0: only at the end) when the data have an eval set."""
+    report_to: str = "tensorboard"
+    """'tensorboard' (event files in output_dir/tensorboard) or 'none'."""
+    overwrite: bool = False
+    """Replace a run already in output_dir (memkit.train.output_dir)."""
 
     def validate(self) -> "RunConfig":
         if self.max_steps < 1:
@@ -72,6 +80,12 @@ class RunConfig:
             raise MemkitError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
         if self.keep_checkpoints < 1:
             raise MemkitError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
+        if self.num_epochs is not None and not self.num_epochs > 0:
+            raise MemkitError(f"--num-epochs {self.num_epochs} must be > 0")
+        if self.eval_every < 0:
+            raise MemkitError(f"--eval-every {self.eval_every} must be >= 0")
+        if self.report_to not in REPORT_TO:
+            raise MemkitError(f"--report-to {self.report_to!r} is not one of {', '.join(REPORT_TO)}")
         return self
 
 
@@ -277,7 +291,9 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
                           "data-parallel plan, which resumes exactly)")
     if save_every:
         raise MemkitError(f"--save-every {save_every} with {what}: {SPLIT_LIMITS}; drop --save-every")
-    spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
+    from memkit.fileio import read_json_object
+
+    spec = spec_from_config(read_json_object(config_path), name=model_name,
                             config_path=str(config_path))
     hardware = PlanDocument({**(plan_doc or {}), "plan": plan.to_dict()}).hardware()
     validate_parallel(spec, plan, hardware)  # the model and the machines the plan was made for

@@ -1,8 +1,9 @@
-"""Training data: read, tokenize, pack to --seq-len, and shard across data-parallel ranks.
+"""Training data: read, tokenize, pack to --seq-len, hold out an eval set, and shard across
+data-parallel ranks.
 
-Sources: a `.jsonl` file (a `text` field, or `prompt` + `completion` with the loss on the
-completion only), a `.txt` file (documents separated by blank lines), a local Hugging Face
-`datasets` folder (`save_to_disk`), or `synthetic[:N]` (seeded random tokens, for `verify`).
+Sources and record formats (text, prompt/completion, alpaca, chat messages / ShareGPT; .jsonl,
+.json, .csv, .parquet, .txt, datasets folders): records.py; the loss masks of instruction and
+chat records: chat.py. `synthetic[:N]` is seeded random tokens (for `verify`).
 
 Every rank reads and packs the whole data set the same way, so the sequence at each position
 of the run is known everywhere and the order is a pure function of (seed, step): a resumed run
@@ -11,20 +12,19 @@ accumulation window without communicating (see loop.py, loss normalisation).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from memkit.errors import MemkitError
+from memkit.train.records import SYNTHETIC, read_records
 
 IGNORE_INDEX = -100
 """Label that cross-entropy skips (torch.nn.functional.cross_entropy's default ignore_index)."""
-SYNTHETIC = "synthetic"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,11 +36,13 @@ class PackedData:
     """Next-token targets are labels[:, 1:]; IGNORE_INDEX where no loss is taken."""
     attention_mask: torch.Tensor
     kind: str
-    """'text', 'prompt_completion' or 'synthetic'."""
+    """'text', 'prompt_completion', 'alpaca', 'chat' or 'synthetic'."""
     source: str
     num_documents: int
     num_dropped_tokens: int = 0
     """Tail tokens of a text stream that did not fill a last sequence."""
+    eval: "PackedData | None" = None
+    """The held-out eval set (--eval-data / --eval-fraction), packed the same way; None without one."""
     loss_tokens: torch.Tensor = field(init=False)
     """Per sequence: how many positions contribute to the loss (shifted labels != IGNORE_INDEX)."""
 
@@ -68,144 +70,104 @@ class PackedData:
                 "attention_mask": self.attention_mask[index]}
 
 
-# ---- reading -------------------------------------------------------------------------------
+# ---- tokenizing and packing -----------------------------------------------------------------
 
-def read_records(source: str) -> tuple[str, list[dict]]:
-    """(kind, records) from a .jsonl/.txt file or a datasets folder; every record checked."""
-    path = Path(source)
-    if not path.exists():
-        raise MemkitError(f"--data {source}: no such file or folder; pass a .jsonl, .txt, a datasets "
-                          f"folder (save_to_disk) or '{SYNTHETIC}'")
-    if path.is_dir():
-        return _read_datasets_folder(path)
-    if path.stat().st_size == 0:
-        raise MemkitError(f"--data {source} is empty; it needs at least one record")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return _read_jsonl(path)
-    if suffix in (".txt", ".text", ".md"):
-        text = path.read_text(encoding="utf-8", errors="strict")
-        docs = [doc.strip("\n") for doc in text.split("\n\n")]
-        docs = [doc for doc in docs if doc.strip()]
-        if not docs:
-            raise MemkitError(f"--data {source} has no text (only whitespace)")
-        return "text", [{"text": doc} for doc in docs]
-    raise MemkitError(f"--data {source}: unknown file type {suffix!r}; use .jsonl (text or "
-                      "prompt/completion), .txt or a datasets folder")
+def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
+                 seed: int = 0, packing: bool = True, eval_source: str | None = None,
+                 eval_fraction: float = 0.0) -> PackedData:
+    """Read `source`, tokenize it and cut it into sequences of exactly `seq_len` tokens.
 
-
-def _read_jsonl(path: Path) -> tuple[str, list[dict]]:
-    records: list[dict] = []
-    kind = None
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MemkitError(f"--data {path}: line {line_no} is not JSON ({exc.msg}); "
-                                  "write one JSON object per line") from None
-            record_kind = _record_kind(record, f"{path}: line {line_no}")
-            if kind is None:
-                kind = record_kind
-            elif record_kind != kind:
-                raise MemkitError(f"--data {path}: line {line_no} is a {record_kind} record but earlier "
-                                  f"lines are {kind} records; use one format per file")
-            record["_where"] = f"line {line_no}"
-            records.append(record)
-    if not records:
-        raise MemkitError(f"--data {path} is empty (only blank lines); it needs at least one record")
-    return kind, records
-
-
-def _record_kind(record, where: str) -> str:
-    if not isinstance(record, dict):
-        raise MemkitError(f"--data {where} is a {type(record).__name__}, not an object with a 'text' "
-                          "field or 'prompt' and 'completion' fields")
-    if "text" in record:
-        if not isinstance(record["text"], str):
-            raise MemkitError(f"--data {where}: 'text' is a {type(record['text']).__name__}; it must "
-                              "be a string")
-        return "text"
-    if "prompt" in record and "completion" in record:
-        for key in ("prompt", "completion"):
-            if not isinstance(record[key], str):
-                raise MemkitError(f"--data {where}: {key!r} is a {type(record[key]).__name__}; it must "
-                                  "be a string")
-        if not record["completion"]:
-            raise MemkitError(f"--data {where}: 'completion' is empty; the loss is taken on it")
-        return "prompt_completion"
-    keys = sorted(k for k in record if not k.startswith("_"))
-    raise MemkitError(f"--data {where} has fields {keys}; expected 'text', or 'prompt' and "
-                      "'completion'")
-
-
-def _read_datasets_folder(path: Path) -> tuple[str, list[dict]]:
-    markers = ("dataset_info.json", "state.json", "dataset_dict.json")
-    if not any((path / name).exists() for name in markers):
-        raise MemkitError(f"--data {path} is a folder but not a datasets folder (no "
-                          f"{' / '.join(markers)}); write it with Dataset.save_to_disk or pass a file")
-    try:
-        import datasets
-    except ImportError:
-        raise MemkitError(f"--data {path} is a datasets folder but the `datasets` package is not "
-                          "installed; pip install datasets") from None
-    data = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        if "train" not in data:
-            raise MemkitError(f"--data {path} has splits {sorted(data)} but no 'train'; save the "
-                              "training split as 'train'")
-        data = data["train"]
-    if data.num_rows == 0:
-        raise MemkitError(f"--data {path} is empty; it needs at least one row")
-    columns = set(data.column_names)
-    if "text" in columns:
-        kind, keys = "text", ("text",)
-    elif {"prompt", "completion"} <= columns:
-        kind, keys = "prompt_completion", ("prompt", "completion")
-    else:
-        raise MemkitError(f"--data {path} has columns {sorted(columns)}; expected 'text', or "
-                          "'prompt' and 'completion'")
-    columns_data = {key: data[key] for key in keys}
-    records = []
-    for row in range(data.num_rows):
-        record = {key: columns_data[key][row] for key in keys}
-        _record_kind(record, f"{path}: row {row}")
-        record["_where"] = f"row {row}"
-        records.append(record)
-    return kind, records
-
-
-# ---- packing --------------------------------------------------------------------------------
-
-def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None,
-                 vocab_size: int, seed: int = 0) -> PackedData:
-    """Read `source`, tokenize and pack it into sequences of exactly `seq_len` tokens."""
+    packing=True: text is one EOS-separated stream cut every seq_len tokens, and whole examples
+    share a sequence while they fit; packing=False: one document or example per (padded)
+    sequence, a document longer than seq_len continuing in the next sequences.
+    An eval set (from `eval_source`, or `eval_fraction` of the records held out before packing,
+    chosen by `seed`) is prepared the same way and returned as `.eval`.
+    """
     if max_positions is not None and seq_len > max_positions:
         raise MemkitError(f"--seq-len {seq_len} is longer than the model allows "
                           f"(max_position_embeddings={max_positions}); use --seq-len <= {max_positions}")
-    if source == SYNTHETIC or source.startswith(SYNTHETIC + ":"):
-        return _synthetic(source, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
+    if eval_source is not None and eval_fraction:
+        raise MemkitError("--eval-data and --eval-fraction both given; use one")
+    if not 0 <= eval_fraction < 1:
+        raise MemkitError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
+    if _is_synthetic(source):
+        data = _synthetic(source, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
+        return _split_synthetic(data, eval_fraction) if eval_fraction else data
     kind, records = read_records(source)
+    eval_data = None
+    if eval_fraction:
+        records, held_out = _hold_out(records, eval_fraction, seed=seed, source=source)
+        eval_data = _tokenize_and_pack(kind, held_out, tokenizer, seq_len=seq_len, packing=packing,
+                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction")
+    elif eval_source is not None:
+        eval_kind, eval_records = read_records(eval_source, flag="--eval-data")
+        eval_data = _tokenize_and_pack(eval_kind, eval_records, tokenizer, seq_len=seq_len,
+                                       packing=packing, source=eval_source, what=f"--eval-data {eval_source}")
+    data = _tokenize_and_pack(kind, records, tokenizer, seq_len=seq_len, packing=packing, source=source,
+                              what=f"--data {source}")
+    return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
+
+
+def _is_synthetic(source: str) -> bool:
+    return source == SYNTHETIC or source.startswith(SYNTHETIC + ":")
+
+
+def _hold_out(records: list[dict], fraction: float, *, seed: int, source: str):
+    """(train records, eval records): round(fraction x N) records, at least 1, picked by a seeded
+    permutation and kept in file order."""
+    num_eval = max(1, round(fraction * len(records)))
+    if num_eval >= len(records):
+        raise MemkitError(f"--eval-fraction {fraction:g} of {len(records)} records in {source} leaves "
+                          "none to train on; lower it or add data")
+    chosen = set(np.random.default_rng([seed, 1]).permutation(len(records))[:num_eval].tolist())
+    return ([r for i, r in enumerate(records) if i not in chosen],
+            [r for i, r in enumerate(records) if i in chosen])
+
+
+EXAMPLE_PARTS = {"prompt_completion": "prompt + completion + eos", "alpaca": "prompt + output + eos",
+                 "chat": "the conversation rendered with its chat template"}
+
+
+def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
+                       source: str, what: str) -> PackedData:
+    from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
+
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if kind == "text":
         ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
-        return _pack_text(ids, eos=eos, seq_len=seq_len, source=source)
-    prompts = tokenizer([r["prompt"] for r in records], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
-    return _pack_prompt_completion(prompts, completions, [r["_where"] for r in records], eos=eos,
-                                   pad=pad, seq_len=seq_len, source=source)
+        if packing:
+            return _pack_text(ids, eos=eos, seq_len=seq_len, source=source, what=what)
+        examples = [(list(doc) + [eos], list(doc) + [eos]) for doc in ids]
+        return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+    if kind == "chat":
+        ensure_chat_template(tokenizer)
+        examples = [chat_example(tokenizer, r["messages"], where=f"{what}: {r['_where']}") for r in records]
+    else:
+        if kind == "alpaca":
+            prompts_text, answers_text = [alpaca_prompt(r) for r in records], [r["output"] for r in records]
+        else:
+            prompts_text, answers_text = [r["prompt"] for r in records], [r["completion"] for r in records]
+        prompts = tokenizer(prompts_text, add_special_tokens=False)["input_ids"]
+        answers = tokenizer(answers_text, add_special_tokens=False)["input_ids"]
+        examples = [(list(p) + list(a) + [eos], [IGNORE_INDEX] * len(p) + list(a) + [eos])
+                    for p, a in zip(prompts, answers)]
+    for (ids, _), record in zip(examples, records):
+        if len(ids) > seq_len:
+            raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
+                              f"longer than --seq-len {seq_len}; shorten it or raise --seq-len")
+    if packing:
+        return _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+    return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
 
 
-def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str) -> PackedData:
+def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str, what: str) -> PackedData:
     """Concatenate documents, each closed by EOS, and cut the stream into seq_len pieces
     (GPT-2/3 style packing: Radford et al. 2019; Brown et al. 2020, Sec. 2.3)."""
     stream = np.fromiter((tok for doc in docs for tok in (*doc, eos)), dtype=np.int64)
     num_sequences = len(stream) // seq_len
     if num_sequences == 0:
-        raise MemkitError(f"--data {source} has {len(stream)} tokens, fewer than --seq-len {seq_len}; "
+        raise MemkitError(f"{what} has {len(stream)} tokens, fewer than --seq-len {seq_len}; "
                           "add text or lower --seq-len")
     ids = torch.from_numpy(stream[: num_sequences * seq_len].reshape(num_sequences, seq_len).copy())
     return PackedData(input_ids=ids, labels=ids.clone(), attention_mask=torch.ones_like(ids),
@@ -213,34 +175,38 @@ def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str) ->
                       num_dropped_tokens=len(stream) - num_sequences * seq_len)
 
 
-def _pack_prompt_completion(prompts, completions, wheres, *, eos: int, pad: int, seq_len: int,
-                            source: str) -> PackedData:
-    """Greedy in-order packing of whole examples; the loss is on completion + EOS only."""
-    rows_ids, rows_labels, rows_mask = [], [], []
+def _rows(rows, *, kind: str, pad: int, seq_len: int, source: str, num_documents: int) -> PackedData:
+    """PackedData from (ids, labels) rows of <= seq_len tokens, right-padded (labels IGNORE_INDEX,
+    attention_mask 0 on the padding)."""
+    def padded(values, fill):
+        return [list(v) + [fill] * (seq_len - len(v)) for v in values]
+
+    return PackedData(input_ids=torch.tensor(padded([r[0] for r in rows], pad), dtype=torch.long),
+                      labels=torch.tensor(padded([r[1] for r in rows], IGNORE_INDEX), dtype=torch.long),
+                      attention_mask=torch.tensor(padded([[1] * len(r[0]) for r in rows], 0), dtype=torch.long),
+                      kind=kind, source=source, num_documents=num_documents)
+
+
+def _pack_examples(examples, *, kind: str, pad: int, seq_len: int, source: str) -> PackedData:
+    """Greedy in-order packing of whole examples (none is split across sequences)."""
+    rows: list[tuple[list[int], list[int]]] = []
     cur_ids: list[int] = []
     cur_labels: list[int] = []
-
-    def close():
-        used = len(cur_ids)
-        rows_ids.append(cur_ids + [pad] * (seq_len - used))
-        rows_labels.append(cur_labels + [IGNORE_INDEX] * (seq_len - used))
-        rows_mask.append([1] * used + [0] * (seq_len - used))
-
-    for prompt, completion, where in zip(prompts, completions, wheres):
-        example = list(prompt) + list(completion) + [eos]
-        if len(example) > seq_len:
-            raise MemkitError(f"--data {source}: {where} has {len(example)} tokens (prompt + completion "
-                              f"+ eos), longer than --seq-len {seq_len}; shorten it or raise --seq-len")
-        if len(cur_ids) + len(example) > seq_len:
-            close()
+    for ids, labels in examples:
+        if cur_ids and len(cur_ids) + len(ids) > seq_len:
+            rows.append((cur_ids, cur_labels))
             cur_ids, cur_labels = [], []
-        cur_ids += example
-        cur_labels += [IGNORE_INDEX] * len(prompt) + list(completion) + [eos]
-    close()
-    return PackedData(input_ids=torch.tensor(rows_ids, dtype=torch.long),
-                      labels=torch.tensor(rows_labels, dtype=torch.long),
-                      attention_mask=torch.tensor(rows_mask, dtype=torch.long),
-                      kind="prompt_completion", source=source, num_documents=len(prompts))
+        cur_ids = cur_ids + list(ids)
+        cur_labels = cur_labels + list(labels)
+    rows.append((cur_ids, cur_labels))
+    return _rows(rows, kind=kind, pad=pad, seq_len=seq_len, source=source, num_documents=len(examples))
+
+
+def _one_per_row(examples, *, kind: str, pad: int, seq_len: int, source: str) -> PackedData:
+    """--packing off: each example alone in its sequence(s); longer ones continue in the next."""
+    rows = [(ids[i:i + seq_len], labels[i:i + seq_len])
+            for ids, labels in examples for i in range(0, len(ids), seq_len)]
+    return _rows(rows, kind=kind, pad=pad, seq_len=seq_len, source=source, num_documents=len(examples))
 
 
 def _synthetic(source: str, *, seq_len: int, vocab_size: int, seed: int) -> PackedData:
@@ -255,6 +221,22 @@ def _synthetic(source: str, *, seq_len: int, vocab_size: int, seed: int) -> Pack
     ids = torch.randint(0, vocab_size, (num_sequences, seq_len), generator=gen, dtype=torch.long)
     return PackedData(input_ids=ids, labels=ids.clone(), attention_mask=torch.ones_like(ids),
                       kind="synthetic", source=source, num_documents=num_sequences)
+
+
+def _split_synthetic(data: PackedData, fraction: float) -> PackedData:
+    num_eval = max(1, round(fraction * data.num_sequences))
+    if num_eval >= data.num_sequences:
+        raise MemkitError(f"--eval-fraction {fraction:g} of {data.num_sequences} synthetic sequences leaves "
+                          "none to train on")
+    cut = data.num_sequences - num_eval
+
+    def part(sl, source):
+        return PackedData(input_ids=data.input_ids[sl], labels=data.labels[sl],
+                          attention_mask=data.attention_mask[sl], kind=data.kind, source=source,
+                          num_documents=int(data.input_ids[sl].shape[0]))
+
+    return dataclasses.replace(part(slice(0, cut), data.source),
+                               eval=part(slice(cut, None), f"{data.source} (eval {fraction:g})"))
 
 
 # ---- sharding ---------------------------------------------------------------------------------

@@ -24,12 +24,15 @@ Checkpoints and the final model folder are data-parallel features for now.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -203,14 +206,70 @@ def _versions() -> dict:
 
 # ---- the run ------------------------------------------------------------------------------------
 
+@dataclass(slots=True, kw_only=True)
+class _Run:
+    """One run's live state: built by _setup, advanced by _steps, reported by _finish."""
+
+    run: RunConfig
+    plan: TrainingPlan
+    plan_doc: dict | None
+    data: PackedData
+    tokenizer: object
+    accelerator: object
+    ds_config: dict | None
+    layout: object
+    model: object
+    optimizer: object
+    engine: object
+    pipe: object
+    meter: object
+    sharding: Sharding
+    manager: CheckpointManager
+    log: JsonlLog
+    board: object
+    """torch.utils.tensorboard SummaryWriter on the main process with --report-to tensorboard, else None."""
+    start_record: dict
+    flops_per_token: float
+    peak_tflops: float | None
+    start_step: int
+    tokens_seen: int
+    step: int = 0
+    losses: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    eval_losses: dict = field(default_factory=dict)
+    """step -> eval loss (mean over the eval set's target tokens)."""
+    interrupted_by: int | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.micro_batch_size * self.plan.grad_accum * self.plan.dp * self.data.seq_len
+
+
 def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: PackedData, tokenizer,
           model_source, model_config, plan_doc: dict | None, tracker=None) -> dict:
     """Run the training; return the report dict (the same on every rank)."""
+    state = _setup(plan_in=plan_in, flags=flags, run=run, data=data, tokenizer=tokenizer,
+                   model_source=model_source, model_config=model_config, plan_doc=plan_doc, tracker=tracker)
+    _steps(state)
+    return _finish(state)
+
+
+def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model_source, model_config,
+           plan_doc, tracker) -> _Run:
+    """Accelerator, the resolved plan, model + optimizer (engine), checkpoint restore, the start
+    record and the console lines a user reads before step 1."""
     from accelerate.utils import DistributedType
 
-    from memkit.measure.runtime import (MemoryMeter, gpu_peak_tflops, mfu, steady_median,
-                                        train_flops_per_token)
-    from memkit.train.report import build_report
+    from memkit.measure.runtime import MemoryMeter, gpu_peak_tflops, train_flops_per_token
+    from memkit.train.output_dir import clear_run_outputs
 
     # A provisional plan decides grad accumulation / mixed precision for the Accelerator; the
     # DeepSpeed file is only readable once Accelerate has parsed it.
@@ -230,26 +289,36 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     layout = rank_layout(plan, rank=accelerator.process_index, world_size=world)
     if is_ds and plan.tp > 1:  # AutoTP: the tensor_parallel block and DeepSpeed's batch arithmetic
         ds_config.update(autotp_deepspeed_config(ds_config, plan))
-    # Data shards: dp of them; every rank of a TP group and of a pipeline reads its shard.
-    rank, dp, data_rank = accelerator.process_index, plan.dp, layout.dp_rank
-    pipe = None
     main = accelerator.is_main_process
     out_dir = run.output_dir
+    sharding = Sharding(num_sequences=data.num_sequences, micro_batch_size=plan.micro_batch_size,
+                        grad_accum=plan.grad_accum, dp=plan.dp, seed=run.seed, shuffle=run.shuffle)
+    if run.num_epochs is not None:  # --num-epochs: enough steps to pass over the data that often
+        run = dataclasses.replace(run, max_steps=max(1, math.ceil(
+            run.num_epochs * data.num_sequences / sharding.global_batch_size)))
+    if run.overwrite and main:
+        removed = clear_run_outputs(out_dir)
+        if removed:
+            print(f"memkit: --overwrite: removed {', '.join(p.name for p in removed)} from {out_dir}",
+                  file=sys.stderr)
+    accelerator.wait_for_everyone()
     log = JsonlLog(out_dir / "log.jsonl" if main else None)
     device = accelerator.device
 
+    if is_ds and main:
+        from memkit.train.ops import announce_builds
+
+        announce_builds(plan, ds_config)  # a stale build lock is an error, a compile is announced
     if plan.pp > 1:
         pipe, optimizer, num_params, num_trainable = _pipeline_and_optimizer(
             plan, run, layout, model_source, model_config, device=device)
         model = pipe.module
     else:
+        pipe = None
         model, optimizer, num_params, num_trainable = _model_and_optimizer(
             accelerator, plan, run, model_source, model_config, ds_config=ds_config)
-    engine = model if is_ds else None
     meter = MemoryMeter(device, tracker=tracker)
 
-    sharding = Sharding(num_sequences=data.num_sequences, micro_batch_size=plan.micro_batch_size,
-                        grad_accum=plan.grad_accum, dp=dp, seed=run.seed, shuffle=run.shuffle)
     manager = CheckpointManager(out_dir / "checkpoints", accelerator, keep=run.keep_checkpoints)
     start_step, tokens_seen, resumed_from = 0, 0, None
     resume_path = resolve_resume(run.resume, manager)
@@ -266,6 +335,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         num_layers=getattr(model_config, "num_hidden_layers", 0) or 0,
         hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
     peak_tflops = gpu_peak_tflops(device, plan.precision)
+    evaluation = data.eval
     start_record = {
         "event": "start", "world_size": world, "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "degrees": {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}, "layout": layout.to_dict(),
@@ -275,157 +345,279 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         "deepspeed_config": ds_config, "num_params": num_params, "num_trainable_params": num_trainable,
         "data": {"source": data.source, "kind": data.kind, "num_sequences": data.num_sequences,
                  "seq_len": data.seq_len, "num_documents": data.num_documents,
-                 "fingerprint": data.fingerprint()},
+                 "fingerprint": data.fingerprint(),
+                 "eval": None if evaluation is None else {"source": evaluation.source,
+                                                          "num_sequences": evaluation.num_sequences}},
         "lr": run.lr, "lr_scaling": run.lr_scaling_note, "max_steps": run.max_steps,
+        "num_epochs": run.num_epochs, "eval_every": run.eval_every,
         "start_step": start_step, "resumed_from": resumed_from, "versions": _versions(),
         "memory_kind": meter.kind, "peak_tflops": peak_tflops}
     log.write(start_record)
-    if main and run.lr_scaling_note:
+    board = None
+    if main and run.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        board = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+    if main:
+        _say_start(run, plan, world, data, resumed_from=resumed_from, start_step=start_step)
+    return _Run(run=run, plan=plan, plan_doc=plan_doc, data=data, tokenizer=tokenizer, accelerator=accelerator,
+                ds_config=ds_config, layout=layout, model=model, optimizer=optimizer,
+                engine=model if is_ds else None, pipe=pipe, meter=meter, sharding=sharding, manager=manager,
+                log=log, board=board, start_record=start_record, flops_per_token=flops_per_token,
+                peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step)
+
+
+def _say_start(run: RunConfig, plan: TrainingPlan, world: int, data: PackedData, *, resumed_from, start_step) -> None:
+    if run.lr_scaling_note:
         print(f"memkit: {run.lr_scaling_note}", file=sys.stderr)
-    if main and (plan.tp > 1 or plan.pp > 1):
+    if run.num_epochs is not None:
+        print(f"memkit: --num-epochs {run.num_epochs:g} = {run.max_steps} steps ({data.num_sequences} "
+              f"sequences, {plan.micro_batch_size * plan.grad_accum * plan.dp} per step)", file=sys.stderr)
+    if resumed_from is not None:
+        print(f"memkit: resumed from step {start_step} ({resumed_from}); continuing to step {run.max_steps}",
+              file=sys.stderr)
+    elif run.resume is not None:
+        print("memkit: --resume: no checkpoint yet, starting at step 0", file=sys.stderr)
+    if data.eval is not None and plan.pp > 1:
+        print("memkit: eval loss is not computed for pipeline-split runs yet", file=sys.stderr)
+    if plan.tp > 1 or plan.pp > 1:
         print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}"
               + ("; the final model folder is not written for tensor/pipeline-split runs yet"
                  if run.save_final else ""), file=sys.stderr)
 
+
+def _steps(st: _Run) -> None:
+    """Optimizer steps from st.step to max_steps; a signal stops at the next step boundary after a
+    checkpoint (st.interrupted_by)."""
+    from memkit.measure.runtime import mfu
+
+    run, plan, data, accelerator = st.run, st.plan, st.data, st.accelerator
+    rank, dp, data_rank, device = accelerator.process_index, plan.dp, st.layout.dp_rank, accelerator.device
+    is_ds = st.engine is not None
     stop = StopFlag().install()
     progress = None
-    if main and run.progress:
+    if st.main and run.progress:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=run.max_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        file=sys.stderr)
-    step_times: list[float] = []
-    tokens_per_step = plan.micro_batch_size * plan.grad_accum * dp * data.seq_len
-    last_loss = None
-    losses: list[float] = []
-    interrupted_by = None
-    step = start_step
-    model.train()
+        progress = tqdm(total=run.max_steps, initial=st.step, unit="step", dynamic_ncols=True, file=sys.stderr)
+    st.model.train()
     try:
-        while step < run.max_steps:
+        while st.step < run.max_steps:
             t0 = time.perf_counter()
-            lr = lr_at(step, peak_lr=run.lr, warmup_steps=run.warmup_steps, max_steps=run.max_steps,
+            lr = lr_at(st.step, peak_lr=run.lr, warmup_steps=run.warmup_steps, max_steps=run.max_steps,
                        decay=run.lr_decay, min_lr_ratio=run.min_lr_ratio)
-            for group in optimizer.param_groups:
+            for group in st.optimizer.param_groups:
                 group["lr"] = lr
-            window = sharding.step_indices(step)
+            window = st.sharding.step_indices(st.step)
             window_tokens = int(data.loss_tokens[torch.as_tensor(window.reshape(-1))].sum())
             scale = micro_loss_scale(grad_accum=plan.grad_accum, dp=dp, window_tokens=window_tokens)
-            if run.debug_oom_at_step == step + 1 and rank == 0:
+            if run.debug_oom_at_step == st.step + 1 and rank == 0:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
                                              "(simulated: MEMKIT_DEBUG_OOM_AT_STEP)")
-            micro_batches = sharding.rank_micro_batches(step, data_rank)
-            if pipe is not None:
-                loss, grad_norm = _pipeline_step(pipe, optimizer, data, micro_batches, plan)
+            micro_batches = st.sharding.rank_micro_batches(st.step, data_rank)
+            if st.pipe is not None:
+                loss, grad_norm = _pipeline_step(st.pipe, st.optimizer, data, micro_batches, plan)
                 # Every rank holds the step's mean loss: rank 0 alone carries it into the sum below.
                 local_loss = loss * window_tokens if rank == 0 else 0.0
                 skipped = False
             else:
                 local_loss, grad_norm = _accumulate_window(
-                    accelerator, model, optimizer, data, micro_batches,
+                    accelerator, st.model, st.optimizer, data, micro_batches,
                     device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds)
-                if layout.tp_rank:  # the ranks of a TP group saw one batch: count it once
+                if st.layout.tp_rank:  # the ranks of a TP group saw one batch: count it once
                     local_loss = local_loss * 0
             if is_ds:
-                grad_norm = engine.get_global_grad_norm()
-                skipped = not engine.was_step_applied()
-            elif pipe is None:
+                grad_norm = st.engine.get_global_grad_norm()
+                skipped = not st.engine.was_step_applied()
+            elif st.pipe is None:
                 skipped = bool(accelerator.optimizer_step_was_skipped)
             # One collective per step: the window's loss sum and "does any rank want to stop".
-            if run.debug_signal_at_step == step + 1 and rank == 0:
+            if run.debug_signal_at_step == st.step + 1 and rank == 0:
                 # As a scheduler would: SIGTERM to the launcher, which forwards it to every rank.
                 launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
                 os.kill(os.getppid() if launched else os.getpid(), signal.SIGTERM)
             stats = torch.tensor([float(local_loss), 1.0 if stop.signum else 0.0], dtype=torch.float64,
                                  device=device)
-            if world > 1:
+            if st.world > 1:
                 torch.distributed.all_reduce(stats)
             stats = stats.cpu()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_time = time.perf_counter() - t0
-            step += 1
-            tokens_seen += tokens_per_step
-            step_times.append(step_time)
+            st.step += 1
+            st.tokens_seen += st.tokens_per_step
+            st.step_times.append(step_time)
             last_loss = float(stats[0]) / max(1, window_tokens)
-            losses.append(last_loss)
-            mem = meter.sample()
-            tokens_per_s = tokens_per_step / step_time
-            record = {"event": "step", "step": step, "loss": last_loss, "lr": lr,
-                      "tokens": tokens_per_step, "target_tokens": window_tokens, "tokens_seen": tokens_seen,
+            st.losses.append(last_loss)
+            mem = st.meter.sample()
+            tokens_per_s = st.tokens_per_step / step_time
+            record = {"event": "step", "step": st.step, "loss": last_loss, "lr": lr,
+                      "tokens": st.tokens_per_step, "target_tokens": window_tokens, "tokens_seen": st.tokens_seen,
                       "step_time_s": step_time, "tokens_per_s": tokens_per_s,
                       "grad_norm": None if grad_norm is None else float(grad_norm), "skipped": skipped,
-                      "loss_scale": _loss_scale(accelerator, optimizer, engine),
-                      "epoch": sharding.epoch_of(step),
-                      "mfu": mfu(tokens_per_s, flops_per_token, peak_tflops), **mem.to_dict()}
-            log.write(record)
-            if progress is not None:
-                postfix = {"loss": f"{last_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
-                if mem.allocated_peak_bytes is not None:
-                    postfix["peak"] = f"{mem.allocated_peak_bytes / 2**30:.2f}GiB"
-                if record["mfu"] is not None:
-                    postfix["mfu"] = f"{record['mfu']:.1%}"
-                progress.set_postfix(postfix, refresh=False)
-                progress.update(1)
+                      "loss_scale": _loss_scale(accelerator, st.optimizer, st.engine),
+                      "epoch": st.sharding.epoch_of(st.step),
+                      "mfu": mfu(tokens_per_s, st.flops_per_token, st.peak_tflops), **mem.to_dict()}
+            st.log.write(record)
+            _board_step(st.board, record)
             want_stop = float(stats[1]) > 0
-            periodic = run.save_every and step % run.save_every == 0 and step < run.max_steps
+            if not want_stop and run.eval_every and st.step % run.eval_every == 0:
+                _evaluate(st)
+            if progress is not None:
+                progress.set_postfix(_postfix(record, mem, st), refresh=False)
+                progress.update(1)
+            periodic = run.save_every and st.step % run.save_every == 0 and st.step < run.max_steps
             if want_stop and plan.tp * plan.pp > 1:
-                log.write({"event": "checkpoint", "step": step, "path": None,
-                           "note": "not written: tensor/pipeline-split runs have no checkpoints yet"})
+                st.log.write({"event": "checkpoint", "step": st.step, "path": None,
+                              "note": "not written: tensor/pipeline-split runs have no checkpoints yet"})
             elif periodic or want_stop:
-                crash = run.debug_crash_in_save_at_step == step
-                path = manager.save(step, _trainer_state(step, tokens_seen, data, plan, run, world),
-                                    crash_before_publish=crash)
-                log.write({"event": "checkpoint", "step": step, "path": str(path)})
+                crash = run.debug_crash_in_save_at_step == st.step
+                path = st.manager.save(st.step, _trainer_state(st.step, st.tokens_seen, data, plan, run, st.world),
+                                       crash_before_publish=crash)
+                st.log.write({"event": "checkpoint", "step": st.step, "path": str(path)})
             if want_stop:
-                interrupted_by = stop.signum or signal.SIGTERM
+                st.interrupted_by = stop.signum or signal.SIGTERM
                 break
     except torch.OutOfMemoryError as exc:
-        raise OutOfMemory(f"step {step + 1}", str(exc).splitlines()[0]) from None
+        raise OutOfMemory(f"step {st.step + 1}", str(exc).splitlines()[0]) from None
     finally:
         stop.restore()
         if progress is not None:
             progress.close()
 
-    # ---- end of run ----
-    mem = meter.sample()  # the training peak, before the final gather/save adds its copies
+
+def _postfix(record: dict, mem, st: _Run) -> dict:
+    postfix = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if st.eval_losses:
+        postfix["eval"] = f"{st.eval_losses[max(st.eval_losses)]:.4f}"
+    if mem.allocated_peak_bytes is not None:
+        postfix["peak"] = f"{mem.allocated_peak_bytes / 2**30:.2f}GiB"
+    if record["mfu"] is not None:
+        postfix["mfu"] = f"{record['mfu']:.1%}"
+    return postfix
+
+
+BOARD_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                 "tokens_per_s": "train/tokens_per_s", "step_time_s": "train/step_time_s",
+                 "mfu": "train/mfu", "allocated_peak_bytes": "memory/allocated_peak_bytes",
+                 "reserved_peak_bytes": "memory/reserved_peak_bytes"}
+"""log.jsonl step field -> TensorBoard tag."""
+
+
+def _board_step(board, record: dict) -> None:
+    if board is None:
+        return
+    for key, tag in BOARD_SCALARS.items():
+        if record.get(key) is not None:
+            board.add_scalar(tag, record[key], global_step=record["step"])
+
+
+def _evaluate(st: _Run) -> float | None:
+    """Mean next-token loss over the eval set's target tokens (collective: every rank calls it).
+
+    The eval sequences are split over the data-parallel ranks in rounds of micro_batch_size
+    each; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each
+    one), a rank past the end re-reads sequence 0 with every label masked."""
+    evaluation = st.data.eval
+    if evaluation is None or st.pipe is not None:
+        return None
+    micro, dp = st.plan.micro_batch_size, st.plan.dp
+    device = st.accelerator.device
+    totals = torch.zeros(2, dtype=torch.float64)
+    st.model.eval()
+    with torch.no_grad():
+        for start in range(0, evaluation.num_sequences, micro * dp):
+            positions = start + st.layout.dp_rank * micro + np.arange(micro)
+            valid = torch.as_tensor(positions < evaluation.num_sequences)
+            batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
+            labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
+            logits = st.model(input_ids=batch["input_ids"].to(device),
+                              attention_mask=batch["attention_mask"].to(device)).logits
+            if not st.layout.tp_rank:  # a TP group saw one batch: count it once
+                totals[0] += float(causal_lm_loss_sum(logits, labels))
+                totals[1] += float((labels[:, 1:] != IGNORE_INDEX).sum())
+            del logits
+    st.model.train()
+    if st.world > 1:
+        totals = totals.to(device)
+        torch.distributed.all_reduce(totals)
+        totals = totals.cpu()
+    loss = float(totals[0] / max(1.0, float(totals[1])))
+    st.eval_losses[st.step] = loss
+    st.log.write({"event": "eval", "step": st.step, "eval_loss": loss, "eval_tokens": int(totals[1]),
+                  "eval_sequences": evaluation.num_sequences})
+    if st.board is not None:
+        st.board.add_scalar("eval/loss", loss, global_step=st.step)
+    return loss
+
+
+def _finish(st: _Run) -> dict:
+    """Final eval, the final model folder (+ LoRA adapter), the end report; frees the engine."""
+    from memkit.measure.runtime import mfu, steady_median
+    from memkit.train.report import build_report
+
+    run, plan, accelerator, device = st.run, st.plan, st.accelerator, st.accelerator.device
+    out_dir = run.output_dir
+    mem = st.meter.sample()  # the training peak, before the eval / final gather / save add their copies
+    if st.interrupted_by is None and st.data.eval is not None and st.step not in st.eval_losses:
+        _evaluate(st)
     final_dir = None
-    if interrupted_by is None and run.save_final and plan.tp * plan.pp == 1:
+    if st.interrupted_by is None and run.save_final and plan.tp * plan.pp == 1:
         final_dir = out_dir / "final"
         lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
-        save_final_model(accelerator, model, tokenizer, final_dir, lora_scaling=lora_scaling)
-        _save_probe(accelerator, model, data, out_dir / "probe_logits.pt", device)
+        save_final_model(accelerator, st.model, st.tokenizer, final_dir, lora_scaling=lora_scaling,
+                         adapter_dir=out_dir / "adapter" if plan.is_lora else None,
+                         base_model=_base_model_path(run))
+        _save_probe(accelerator, st.model, st.data, out_dir / "probe_logits.pt", device)
     peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
                           mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
                          dtype=torch.float64, device=device)
-    if world > 1:
+    if st.world > 1:
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
     peaks = [int(v) for v in peaks.cpu().tolist()]
-    tokens_per_s = steady_median([tokens_per_step / t for t in step_times])
+    tokens_per_s = steady_median([st.tokens_per_step / t for t in st.step_times])
     report = build_report(
-        status="interrupted" if interrupted_by else "ok", plan=plan, plan_doc=plan_doc,
-        steps_done=step, start_step=start_step, losses=losses,
-        measured={"memory_kind": meter.kind, "allocated_peak_bytes": peaks[0] if mem.allocated_peak_bytes is not None else None,
+        status="interrupted" if st.interrupted_by else "ok", plan=plan, plan_doc=st.plan_doc,
+        steps_done=st.step, start_step=st.start_step, losses=st.losses,
+        measured={"memory_kind": st.meter.kind,
+                  "allocated_peak_bytes": peaks[0] if mem.allocated_peak_bytes is not None else None,
                   "reserved_peak_bytes": peaks[1] if mem.reserved_peak_bytes is not None else None,
                   "device_used_peak_bytes": peaks[2] if mem.device_used_peak_bytes is not None else None,
                   "host_rss_peak_bytes": peaks[3], "tokens_per_s": tokens_per_s,
-                  "step_time_s": steady_median(step_times),
-                  "mfu": mfu(tokens_per_s or 0.0, flops_per_token, peak_tflops)},
-        world_size=world, distributed_type=start_record["distributed_type"],
+                  "step_time_s": steady_median(st.step_times),
+                  "mfu": mfu(tokens_per_s or 0.0, st.flops_per_token, st.peak_tflops)},
+        world_size=st.world, distributed_type=st.start_record["distributed_type"],
         final_dir=str(final_dir) if final_dir else None)
-    log.write({"event": "end", **report})
-    if main:
+    if st.eval_losses:
+        last = max(st.eval_losses)
+        report["eval_loss"], report["eval_step"] = st.eval_losses[last], last
+    st.log.write({"event": "end", **report})
+    if st.board is not None:
+        st.board.close()
+    if st.main:
         from memkit.train.report import render_report
 
         print(render_report(report), file=sys.stderr)
+        if "eval_loss" in report:
+            print(f"eval loss {report['eval_loss']:.4f} at step {report['eval_step']} "
+                  f"({st.data.eval.num_sequences} sequences of {st.data.eval.source})", file=sys.stderr)
+        if final_dir is not None and plan.is_lora:
+            print(f"LoRA adapter saved to {out_dir / 'adapter'} (PeftModel.from_pretrained)", file=sys.stderr)
         if run.report_json is not None:
             Path(run.report_json).write_text(json.dumps(report, indent=1, sort_keys=True))
     # Free DeepSpeed/DDP state before the process group goes (gloo can hang at exit otherwise).
-    del model, optimizer, engine, pipe
+    st.model = st.optimizer = st.engine = st.pipe = None
     accelerator.free_memory()
-    if interrupted_by is not None:
-        report["exit_code"] = EXIT_SIGNAL.get(interrupted_by, 143)
+    if st.interrupted_by is not None:
+        report["exit_code"] = EXIT_SIGNAL.get(st.interrupted_by, 143)
     return report
+
+
+def _base_model_path(run: RunConfig) -> str | None:
+    """What adapter_config.json names as the base model: the --model folder (absolute) when it
+    is a local folder, else the name as given."""
+    path = Path(run.model).expanduser()
+    return str(path.resolve()) if path.is_dir() else run.model
 
 
 def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_batches, *, device,

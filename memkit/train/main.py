@@ -1,6 +1,7 @@
-"""Entry point of launch/finetune.py (and `python -m memkit.train.main`) under `accelerate launch`.
+"""The runner's main (`python -m memkit.finetune`, the memkit-finetune script, launch/finetune.py)
+under `accelerate launch`:
 
-    accelerate launch --config_file runs/x/accelerate.yaml launch/finetune.py \\
+    accelerate launch --config_file runs/x/accelerate.yaml -m memkit.finetune \\
         --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 Exit codes: 0 done; 2 bad input (one line on stderr); 3 out of memory (reported, see
@@ -32,9 +33,12 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     p.add_argument("--model", help="local model folder, config.json, or catalog name "
                                     "(default: plan.json's model)")
     p.add_argument("--data", required=not for_wrapper,
-                   help=".jsonl (text, or prompt+completion), .txt, a datasets folder, or synthetic[:N]")
+                   help=".jsonl/.json/.csv/.parquet/.txt or a datasets folder: text, prompt+completion, alpaca, "
+                        "chat messages / ShareGPT (memkit.train.records); or synthetic[:N]")
     p.add_argument("--output-dir", required=not for_wrapper, help="log.jsonl, checkpoints/, final/")
-    p.add_argument("--max-steps", type=int, default=100, help="optimizer steps (default 100)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default 100)")
+    p.add_argument("--num-epochs", type=float,
+                   help="passes over the data instead of --max-steps (steps = ceil(epochs x sequences / global batch))")
     g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
     g.add_argument("--precision", choices=PRECISIONS)
     g.add_argument("--optimizer", choices=OPTIMIZERS)
@@ -71,6 +75,17 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--report-json", help="also write the end report here")
     c.add_argument("--dist-timeout-s", type=int, default=1800)
+    c.add_argument("--report-to", choices=("tensorboard", "none"), default="tensorboard",
+                   help="tensorboard: event files in output-dir/tensorboard (default)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace a run already in --output-dir (default: refuse)")
+    d = p.add_argument_group("data")
+    d.add_argument("--packing", choices=("on", "off"), default="on",
+                   help="on: fill each sequence with several documents/examples; off: one per sequence")
+    d.add_argument("--eval-data", help="held-out data (any --data format) for the eval loss")
+    d.add_argument("--eval-fraction", type=float, default=0.0,
+                   help="hold out this fraction of --data's records for the eval loss")
+    d.add_argument("--eval-every", type=int, default=0, help="eval loss every N steps (default: at the end)")
     c.add_argument("--debug-signal-at-step", type=int, help=argparse.SUPPRESS)
     c.add_argument("--debug-crash-in-save-at-step", type=int, help=argparse.SUPPRESS)
 
@@ -111,6 +126,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     from memkit.train.config import check_flags, check_split, plan_model_name, read_plan_file, scaled_lr
     from memkit.train.data import prepare_data
     from memkit.train.model import load_config, max_positions, resolve_model
+    from memkit.train.output_dir import check_output_dir
     from memkit.train.tokenizer import load_tokenizer
 
     plan, plan_doc = (None, None)
@@ -132,8 +148,12 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if seq_len is None:
         raise MemkitError("no sequence length: pass --seq-len or a --plan")
     tokenizer = load_tokenizer(source.folder, vocab_size=config.vocab_size)
+    if args.max_steps is not None and args.num_epochs is not None:
+        raise MemkitError(f"--max-steps {args.max_steps} and --num-epochs {args.num_epochs:g} both given; use one")
+    check_output_dir(Path(args.output_dir), resume=args.resume, overwrite=args.overwrite)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
-                        vocab_size=config.vocab_size, seed=args.seed)
+                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing == "on",
+                        eval_source=args.eval_data, eval_fraction=args.eval_fraction)
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,7 +161,9 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
                          ref_batch_size=args.ref_batch_size)
     run = RunConfig(
-        model=model_name, data=args.data, output_dir=Path(args.output_dir), max_steps=args.max_steps,
+        model=model_name, data=args.data, output_dir=Path(args.output_dir),
+        max_steps=100 if args.max_steps is None else args.max_steps, num_epochs=args.num_epochs,
+        eval_every=args.eval_every, report_to=args.report_to, overwrite=args.overwrite,
         lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
         lr_decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         seed=args.seed, shuffle=not args.no_shuffle, save_every=args.save_every,
@@ -179,15 +201,18 @@ def _oom_report(args, where: str, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memkit.validate import check_args, harden
+
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = harden(parser).parse_args(argv)  # ASCII integers, finite floats
     rank = int(os.environ.get("RANK", "0"))
     # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
     warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        check_args(args)  # ranges, paths, data, --resume: one line before any process group
         prepared = prepare(args)
     except MemkitError as exc:
         if rank == 0:

@@ -7,7 +7,6 @@ Nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 
 from memkit.errors import MemkitError
 from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
@@ -19,15 +18,22 @@ def load_config(source: ModelSource):
     """The transformers config, read from the local file (no hub access)."""
     from transformers import AutoConfig
 
-    data = json.loads(source.config_path.read_text())
+    from memkit.fileio import read_json_object
+
+    data = read_json_object(source.config_path, what="config file")
     model_type = data.pop("model_type", None)
     if model_type is None:
         raise MemkitError(f"{source.config_path} has no 'model_type'; is it a transformers config.json?")
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 config validators
+    except ImportError:  # older huggingface_hub
+        StrictDataclassError = ValueError
+    try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as exc:
+    except (ValueError, StrictDataclassError) as exc:
+        reason = " ".join(str(exc).split())  # its validator's multi-line text, as one line
         raise MemkitError(f"{source.config_path}: transformers cannot build model_type {model_type!r} "
-                          f"({exc})") from None
+                          f"({reason})") from None
 
 
 def max_positions(config) -> int | None:

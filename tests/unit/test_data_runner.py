@@ -102,7 +102,7 @@ def test_datasets_folder(tmp_path):
     with pytest.raises(MemkitError, match=r"splits \['validation'\] but no 'train'"):
         _prep(tmp_path / "dd")
     datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "cols"))
-    with pytest.raises(MemkitError, match=r"columns \['body'\]; expected 'text'"):
+    with pytest.raises(MemkitError, match=r"row 0 has fields \['body'\]; expected 'text'"):
         _prep(tmp_path / "cols")
 
 
@@ -166,9 +166,9 @@ def test_too_little_text_for_one_sequence(tmp_path):
 
 
 def test_unknown_extension_and_plain_folder(tmp_path):
-    (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(MemkitError, match=r"unknown file type '.csv'"):
-        _prep(tmp_path / "x.csv")
+    (tmp_path / "x.xyz").write_text("a,b\n")
+    with pytest.raises(MemkitError, match=r"unknown file type '.xyz'"):
+        _prep(tmp_path / "x.xyz")
     (tmp_path / "folder").mkdir()
     with pytest.raises(MemkitError, match=r"not a datasets folder"):
         _prep(tmp_path / "folder")

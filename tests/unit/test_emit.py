@@ -230,7 +230,7 @@ def test_bundle_has_its_four_files_and_plan_json_contract(bundles):
     assert {"allocated_peak_bytes", "reserved_peak_bytes", "nvidia_smi_peak_bytes"} <= set(doc["estimate"])
     assert {"tokens_per_s", "step_time_s", "mfu"} <= set(doc["step_time"])
     readme = (folder / "README.md").read_text()
-    command = f"accelerate launch --config_file {folder}/accelerate.yaml launch/finetune.py --plan {folder}/plan.json"
+    command = f"accelerate launch --config_file {folder}/accelerate.yaml -m memkit.finetune --plan {folder}/plan.json"
     assert command in readme
     assert doc["engines"] == {"launcher": "accelerate launch, DeepSpeed (ds_config.json)",
                               "data_parallel": "DeepSpeed ZeRO-3", "tensor_parallel": None, "pipeline_parallel": None}

@@ -50,7 +50,7 @@ def test_out_writes_the_bundle_and_explain_reads_it_back(tmp_path, capsys):
     ds = json.loads((out_dir / "ds_config.json").read_text())
     assert ds["train_micro_batch_size_per_gpu"] == doc["plan"]["micro_batch_size"]
     assert ds["zero_optimization"]["stage"] == doc["plan"]["zero_stage"]
-    command = (f"accelerate launch --config_file {out_dir}/accelerate.yaml launch/finetune.py "
+    command = (f"accelerate launch --config_file {out_dir}/accelerate.yaml -m memkit.finetune "
                f"--plan {out_dir}/plan.json --model llama-3.1-8b")
     assert command in (out_dir / "README.md").read_text() and command in out
     assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -270,8 +270,8 @@ def test_memkit_train_dry_run_uses_the_plans_accelerate_config(tmp_path, capsys)
                  "--output-dir", str(tmp_path / "out"), "--max-steps", "7", "--resume", "--dry-run"]) == 0
     cmd = capsys.readouterr().out.split()
     assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(config)]
-    assert cmd[5].endswith("launch/finetune.py")
-    args = cmd[6:]
+    assert cmd[5:7] == ["-m", "memkit.finetune"]  # the module: works from any directory
+    args = cmd[7:]
     assert args[args.index("--max-steps") + 1] == "7" and args[args.index("--plan") + 1] == str(plan_path)
     assert "--resume" in args and args[args.index("--output-dir") + 1] == str(tmp_path / "out")
 
@@ -317,3 +317,36 @@ def test_prepare_returns_a_typed_run_description(tmp_path):
     assert prepared.model_config.vocab_size == 128256
     args.model = "meta-llama/Llama-3.2-1B"
     assert prepare(args, launched=False).source.config_path == prepared.source.config_path
+
+
+def test_manifest_names_damage_and_falls_back(tmp_path, capsys):
+    """Single process (accelerator None): the manifest is verified, RNG states included; the damaged
+    newest checkpoint is named in one line and the older intact one is resumed (and said)."""
+    from memkit.train.checkpoint import CheckpointManager, resolve_resume, write_manifest
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        folder = root / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (folder / "random_states_0.pkl").write_bytes(bytes(range(200)))
+        (folder / "pytorch_model").mkdir()
+        (folder / "pytorch_model" / "mp_rank_00_model_states.pt").write_bytes(b"w" * 1000)
+        write_manifest(folder, step=step, accelerator=None)
+    (root / "latest").write_text("step-00000002\n")
+    manager = CheckpointManager(root, accelerator=None)
+    assert resolve_resume("latest", manager) == root / "step-00000002"
+    rng = root / "step-00000002" / "random_states_0.pkl"
+    rng.write_bytes(rng.read_bytes()[:50])  # truncated RNG states: Accelerate alone would skip them silently
+    capsys.readouterr()
+    assert resolve_resume("latest", manager) == root / "step-00000001"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert "step-00000002 is damaged: random_states_0.pkl is 50 bytes, the manifest says 200" in err[0]
+    assert "resuming from step-00000001" in err[1]
+    with pytest.raises(MemkitError, match=r"random_states_0.pkl is 50 bytes"):
+        resolve_resume(str(root / "step-00000002"), manager)
+    same_size = root / "step-00000001" / "pytorch_model" / "mp_rank_00_model_states.pt"
+    same_size.write_bytes(b"x" * 1000)  # same size, other bytes: the SHA-256 catches it
+    with pytest.raises(MemkitError, match=r"every checkpoint .* is damaged"):
+        resolve_resume("latest", manager)

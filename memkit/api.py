@@ -1,0 +1,134 @@
+"""memkit's Python API for your own scripts: thin wrappers over the library the CLI uses.
+
+    import memkit
+
+    est = memkit.estimate("llama-3.1-8b", gpu="a100-80gb", precision="bf16", zero_stage=2,
+                          micro_batch_size=4, seq_len=2048, num_gpus=8)
+    est.allocated_peak_bytes, est.to_dict()          # what `memkit estimate --json` prints
+
+    result = memkit.suggest("llama-3.1-8b", gpu="a100-80gb", num_gpus=8,
+                            global_batch_size=64, seq_len=2048)
+    result.chosen.plan, result.chosen.memory, result.alternatives, result.rejected
+
+    trainer.add_callback(memkit.MemkitCallback("memkit_record.json", prediction=est))
+
+`model` is what `--model` takes (a catalog name, a config.json path or model folder, a hub id in
+the local HF cache), or a config dict, a transformers config object, or a ModelSpec. Nothing
+here downloads, prints or writes files.
+"""
+from __future__ import annotations
+
+from memkit.errors import MemkitError
+
+
+def model_spec(model):
+    """A ModelSpec from anything `estimate`/`suggest` take as `model`."""
+    from memkit.spec.hf import load_model_spec, spec_from_config
+    from memkit.spec.model import ModelSpec
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        return spec_from_config(dict(model), name=str(model.get("_name_or_path") or model.get("model_type")))
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # a transformers PretrainedConfig
+        config = model.to_dict()
+        return spec_from_config(config, name=str(config.get("_name_or_path") or config["model_type"]))
+    if hasattr(model, "config") and hasattr(model.config, "to_dict"):  # a model: its config
+        return model_spec(model.config)
+    return load_model_spec(str(model))
+
+
+def hardware(*, gpu: str | None = None, gpu_memory: int | str | None = None, num_gpus: int = 1,
+             num_nodes: int = 1, host_ram: int | str | None = None):
+    """A Hardware from a catalog GPU name (`memkit gpus`) or a memory size (bytes or '24GiB')."""
+    from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
+    from memkit.units import parse_bytes
+
+    if (gpu is None) == (gpu_memory is None):
+        raise MemkitError("give gpu='a100-80gb' (see `memkit gpus`) or gpu_memory='24GiB', exactly one")
+    if gpu is not None:
+        chip = find_gpu(gpu)
+    else:
+        chip = custom_gpu(gpu_memory if isinstance(gpu_memory, int) else parse_bytes(str(gpu_memory),
+                                                                                     what="gpu_memory"))
+    kwargs = {}
+    if host_ram is not None:
+        kwargs["host_ram_bytes_per_node"] = host_ram if isinstance(host_ram, int) else parse_bytes(host_ram)
+    return Hardware(gpu=chip, num_gpus_per_node=num_gpus, num_nodes=num_nodes, **kwargs).validate()
+
+
+def estimate(model, *, gpu: str | None = None, gpu_memory: int | str | None = None, num_gpus: int = 1,
+             num_nodes: int = 1, plan=None, device: str = "cuda", **knobs):
+    """Per-GPU peak memory of one plan (`memkit estimate`): a MemoryEstimate.
+
+    plan: a TrainingPlan, or its knobs as keywords (precision, optimizer, zero_stage,
+    offload_optimizer, offload_params, checkpointing, attention, micro_batch_size, grad_accum,
+    seq_len, tp, pp, lora_rank, lora_targets, ...); dp defaults to the GPUs / (tp x pp).
+    device='cpu' prices a CPU run (what memkit's CPU tests and the runner's live-tensor peaks use).
+    """
+    from memkit.estimate.memory import estimate_memory
+    from memkit.plan import TrainingPlan
+
+    spec = model_spec(model)
+    hw = hardware(gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes)
+    if plan is None:
+        if "lora_targets" in knobs:
+            knobs["lora_targets"] = tuple(knobs["lora_targets"])
+        split = knobs.get("tp", 1) * knobs.get("pp", 1)
+        knobs.setdefault("dp", max(1, hw.num_gpus // split))
+        plan = TrainingPlan(**knobs)
+    elif knobs:
+        raise MemkitError(f"give a plan or plan knobs, not both (got plan and {sorted(knobs)})")
+    return estimate_memory(spec, plan.validate(), hw, device=device)
+
+
+def suggest(model, *, global_batch_size: int, seq_len: int, gpu: str | None = None,
+            gpu_memory: int | str | None = None, num_gpus: int = 1, num_nodes: int = 1,
+            num_alternatives: int = 4, **pins):
+    """The fastest plan that fits (`memkit suggest`): a SearchResult (chosen, alternatives, rejected).
+
+    pins: any field of memkit.planner.Request (precision, optimizer, zero_stage, offload_optimizer,
+    offload_params, allow_offload, checkpointing, attention, max_micro_batch, lora_rank,
+    lora_targets, tp, pp, headroom, objective). Raises NoPlanFits when nothing fits.
+    """
+    from memkit.planner import Request, search
+
+    if "lora_targets" in pins:
+        pins["lora_targets"] = tuple(pins["lora_targets"])
+    request = Request(model=model_spec(model), global_batch_size=global_batch_size, seq_len=seq_len,
+                      hardware=hardware(gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes),
+                      **pins).validate()
+    return search(request, num_alternatives=num_alternatives)
+
+
+def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay: float = 0.0, **overrides):
+    """transformers.TrainingArguments that train `plan` with your own Trainer / SFTTrainer: the
+    flags of the bundle README's Trainer recipe (memkit.emit.trainer.trainer_arguments).
+
+    plan: a TrainingPlan, or a plan.json (or the folder `memkit suggest --out` wrote); for a
+    DeepSpeed plan.json the ds_config.json beside it becomes `deepspeed` (absolute path).
+    overrides: any other TrainingArguments field (max_steps, logging_steps, report_to, ...).
+    Model-side settings (attention kernel, LoRA) are not TrainingArguments: see
+    memkit.emit.trainer.trainer_recipe(plan).model_kwargs / .peft_config.
+    """
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+
+    from memkit.emit.trainer import trainer_arguments
+    from memkit.plan import TrainingPlan
+
+    deepspeed = None
+    if not isinstance(plan, TrainingPlan):
+        from memkit.emit.plan_doc import read
+
+        document = read(plan, flag="")
+        plan = document.plan
+        beside = Path(document.path).resolve().parent / "ds_config.json"
+        if plan.engine == "deepspeed" and beside.is_file():
+            deepspeed = str(beside)
+    args = trainer_arguments(plan, lr=lr, weight_decay=weight_decay)
+    if deepspeed is not None:
+        args["deepspeed"] = deepspeed
+    args.update(overrides)
+    return TrainingArguments(output_dir=output_dir, **args)

@@ -1,0 +1,137 @@
+"""Run a launcher (accelerate launch -> torchrun -> ranks) as a child and own its lifetime.
+
+SIGTERM / SIGINT to memkit go to the launcher's process group once; torchrun relays the same
+signal to each rank (torch/distributed/elastic/agent/server/api.py: SignalException ->
+_shutdown(e.sigval)), and each rank checkpoints at its next step boundary and exits 143 / 130
+(memkit.train.loop.StopFlag). The ranks are not in the launcher's group: torchrun starts each
+in its own session (torch/distributed/elastic/multiprocessing/subprocess_handler/
+subprocess_handler.py, start_new_session=True), so killpg alone never reaches them. The process
+tree is therefore snapshotted from /proc before anything is signalled, and whatever of it is
+still alive after the grace period (or orphaned by a launcher that died first) is signalled by
+PID. memkit then exits 128 + signal number (143 for SIGTERM, 130 for SIGINT) itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
+POLL_S = 0.2
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc/<pid>/stat parent links; [] where /proc is absent)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Supervisor:
+    """Popen `cmd` in a new session; wait for it; on SIGTERM/SIGINT stop the whole tree."""
+
+    def __init__(self, cmd: list[str], *, env: dict, stdout=None, grace_s: float = 60.0) -> None:
+        self.cmd, self.env, self.stdout, self.grace_s = cmd, env, stdout, grace_s
+        self.signum: int | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, *, timeout_s: float | None = None) -> tuple[str, int | None]:
+        """('ok' | 'failed' | 'timeout' | 'signal', exit code to report)."""
+        old = {sig: signal.signal(sig, self._on_signal) for sig in EXIT_SIGNAL}
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.stdout,
+                                         stderr=subprocess.STDOUT if self.stdout is not None else None,
+                                         start_new_session=True)
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while self.proc.poll() is None and self.signum is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    self.stop(signal.SIGTERM, grace_s=min(self.grace_s, 30.0))
+                    return "timeout", None
+                time.sleep(POLL_S)
+            if self.signum is not None:
+                self.stop(self.signum, grace_s=self.grace_s)
+                return "signal", EXIT_SIGNAL[self.signum]
+            code = self.proc.returncode
+            return ("ok" if code == 0 else "failed"), code
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None and self.proc is not None:  # a second signal: stop now
+            self._kill_tree(descendants(self.proc.pid))
+        self.signum = signum
+
+    def stop(self, sig: int, *, grace_s: float) -> None:
+        """`sig` to the launcher's group once; the ranks of a dead launcher by PID; SIGKILL the rest
+        after grace_s."""
+        proc = self.proc
+        tree = descendants(proc.pid)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        orphans_signalled = False
+        while time.monotonic() < deadline:
+            launcher_done = proc.poll() is not None
+            alive = [pid for pid in tree if _alive(pid)]
+            if launcher_done and not alive:
+                return
+            if launcher_done and not orphans_signalled:  # nobody relays the signal to them any more
+                _signal(alive, sig)
+                orphans_signalled = True
+            time.sleep(POLL_S)
+        self._kill_tree(tree)
+
+    def _kill_tree(self, tree: list[int]) -> None:
+        proc = self.proc
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _signal([pid for pid in tree + descendants(proc.pid) if _alive(pid)], signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
