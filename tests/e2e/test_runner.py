@@ -221,8 +221,13 @@ def test_verify_reports_prediction_and_oom(tmp_path, tiny):
                         **SMALL_BUCKETS)
     config, plan_path = write_bundle(tmp_path / "bundle", plan)
     doc = json.loads(plan_path.read_text())
+    # an alternative as suggest writes it (emit/plan_doc.py candidate_dict; memkit/plan_schema.py checks it)
+    est, speed = doc["estimate"], doc["step_time"]
     doc["alternatives"] = [{"label": "zero3+offload", "plan": {**doc["plan"], "offload_optimizer": "cpu"},
-                            "estimate": {"allocated_peak_bytes": doc["estimate"]["allocated_peak_bytes"] // 2}}]
+                            "allocated_peak_bytes": est["allocated_peak_bytes"] // 2,
+                            "nvidia_smi_peak_bytes": est["nvidia_smi_peak_bytes"] // 2,
+                            "step_time_s": speed["step_time_s"], "tokens_per_s": speed["tokens_per_s"],
+                            "mfu": speed["mfu"]}]
     plan_path.write_text(json.dumps(doc))
     cmd = [sys.executable, "-m", "memkit.cli.main", "verify", "--plan", str(plan_path), "--model", str(tiny),
            "--steps", "3", "--timeout-s", "240"]
