@@ -13,6 +13,7 @@ hidden-sized ones whole (Korthikanti et al. 2022, Table 2, "tensor parallel" row
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from memkit.estimate.tape import Sym, Tape
@@ -262,10 +263,17 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
         return BlockActivations(saved_bytes=whole.saved_bytes // t, input_bytes=whole.input_bytes // t,
                                 backward_transient_bytes=whole.backward_transient_bytes // t,
                                 by_label={k: v // t for k, v in whole.by_label.items()})
-    replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
-    replay.run(x)
-    saved = replay.tape.saved_bytes
+    if spec.traced:  # any other architecture: what autograd saves in the HF module itself
+        trace = _trace(spec, plan, b, device)
+        # A (non-sequence-parallel) TP rank keeps the hidden-sized tensors whole and splits the
+        # rest; the trace does not tell them apart, so tp divides nothing (an upper bound).
+        saved, labels, uses_scores = trace.block_saved_bytes, {"traced": trace.block_saved_bytes}, \
+            trace.attention == "eager"
+    else:
+        replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
+        replay.run(x)
+        saved, labels, uses_scores = replay.tape.saved_bytes, dict(replay.tape.labels), replay.uses_scores
     # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
     act = num.autocast or num.weight_itemsize
     widest = max(spec.intermediate_size // plan.tp * (2 if spec.gated_mlp else 1),
@@ -273,10 +281,17 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     # During a block's backward: grad of the hidden stream in and out, plus the gradients of the
     # widest intermediate (the gated MLP's gate/up pair) -- aten's mul/silu backward outputs.
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
-    if replay.uses_scores:  # grads of the probabilities and of the scores (softmax backward)
+    if uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
-                            backward_transient_bytes=transient, by_label=dict(replay.tape.labels))
+                            backward_transient_bytes=transient, by_label=labels)
+
+
+def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):
+    from memkit.estimate.traced import trace_plan  # lazy: torch only for traced models
+
+    return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
+                      micro_batch_size=micro_batch_size, device=device)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +322,8 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
                                backward_peak_bytes=whole.backward_peak_bytes // t,
                                embedding_bytes=whole.embedding_bytes // t)
     tokens = b * plan.seq_len
+    if spec.traced:
+        return _traced_head(spec, plan, b, tokens, device)
     tape = Tape(autocast=num.autocast, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
     if spec.kind != "encoder" or spec.model_type not in _POST_NORM:
@@ -322,11 +339,29 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     tape.region("head")
     logits_itemsize = num.autocast or num.weight_itemsize
     tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
-    vocab_tokens = tokens * spec.vocab_size
+    saved = tape.saved_bytes + tokens * spec.vocab_size * 4  # + the fp32 log-probs log_softmax saves
+    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
+    embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
+    return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
+                           backward_peak_bytes=backward_peak, embedding_bytes=embedding)
+
+
+def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, device: str) -> HeadActivations:
+    """The traced model's head and embedding regions (estimate/traced.py): the head's saved tensors
+    include the fp32 log-probs; the loss peaks are those of HF's loss (_loss_peaks)."""
+    trace = _trace(spec, plan, b, device)
+    num = numerics(plan)
+    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, num.autocast or num.weight_itemsize)
+    # The batch's input_ids are saved by the embedding (traced); labels live beside them (int64).
+    return HeadActivations(saved_bytes=trace.head_saved_bytes, forward_peak_bytes=forward_peak,
+                           backward_peak_bytes=backward_peak,
+                           embedding_bytes=trace.embedding_saved_bytes + tokens * 8)
+
+
+def _loss_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:
+    """Forward and backward peaks of HF's ForCausalLMLoss beyond its saved log-probs."""
     logits = vocab_tokens * logits_itemsize
-    log_probs = vocab_tokens * 4              # log_softmax output, fp32, saved for backward
     fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4  # logits.float()
-    saved = tape.saved_bytes + log_probs
     # Forward: the logits, their fp32 copy and the log-probs coexist inside cross_entropy. The
     # logits are not saved by anything; a loop that drops the model output before backward (HF
     # Trainer, memkit's runner) frees them.
@@ -334,6 +369,4 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     # Backward of nll_loss + log_softmax: grad wrt the log-probs and grad wrt the fp32 logits
     # coexist with the saved log-probs (aten _log_softmax_backward_data allocates its output).
     backward_peak = 2 * vocab_tokens * 4
-    embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
-    return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
-                           backward_peak_bytes=backward_peak, embedding_bytes=embedding)
+    return forward_peak, backward_peak

@@ -306,6 +306,14 @@ def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=No
         head_params=h + (0 if tie else vocab * h), extra=extra or {})
 
 
+def llama_like_fields(config: dict, source: str) -> dict:
+    """A Llama-style block from a config's sizes (the remote-code fallback of spec/generic.py)."""
+    c = _Cfg(config, source)
+    return _llama_like(c, architecture=str((config.get("architectures") or ["?"])[0]),
+                       hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=bool(c.get("tie_word_embeddings", default=False)))
+
+
 def _llama(c):
     # llama/configuration_llama.py defaults; attention_bias and mlp_bias switch every projection's bias.
     return _llama_like(c, architecture="LlamaForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
@@ -630,9 +638,13 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
                           "its text_config (model_type gemma3_text) as a config.json and pass that")
     family = _FAMILIES.get(model_type)
     if family is None:
-        raise MemkitError(f"{source}: model_type {model_type!r} is not supported"
-                          f"{did_you_mean(model_type, _FAMILIES)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    fields = family(_Cfg(config, source))
+        # Not modelled by hand: sizes from transformers' config class, counts from a meta-device build,
+        # activations traced from the module itself (spec/generic.py, estimate/traced.py).
+        from memkit.spec.generic import generic_fields
+
+        fields = generic_fields(config, source)
+    else:
+        fields = family(_Cfg(config, source))
     num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
                   + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)
                   + fields["head_params"])

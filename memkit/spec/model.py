@@ -87,8 +87,16 @@ class ModelSpec:
     """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
     config_path: str = ""
     """The config.json this spec was read from (what the runner builds the model from)."""
+    traced: bool = False
+    """Activations come from tracing the HF module itself (estimate/traced.py), not the hand tape:
+    set for model types hf.py does not model by hand (spec/generic.py)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Facts some families need (sliding_window, logit softcapping, ...). Never read by the core formulas."""
+
+    @property
+    def approximations(self) -> tuple[str, ...]:
+        """What about this model memkit prices approximately (empty for the hand-modelled families)."""
+        return tuple(self.extra.get("approximations", ()))
 
     @property
     def auto_class(self) -> str:
