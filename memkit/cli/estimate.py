@@ -18,6 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_plan_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="write a stacked bar chart of the breakdown")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="price a step on this device (default cuda); cpu: the same loop run on the CPU, as "
+                        "tests/golden/cpu_measurements.json measures it (no CUDA context or allocator cache); "
+                        "without --gpu the device memory is the host RAM")
 
 
 def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
@@ -43,9 +47,14 @@ def run(args: argparse.Namespace) -> int:
     from memkit.spec.hf import load_model_spec
 
     model = load_model_spec(args.model)
+    if args.device == "cpu" and not (args.gpu or args.gpu_memory):  # a CPU run's memory is the host's RAM
+        args.gpu_memory = args.host_ram or "64GiB"
     hardware = hardware_from_args(args)
     plan = plan_from_args(args, model, hardware)
-    est = estimate_memory(model, plan, hardware)
+    est = estimate_memory(model, plan, hardware, device=args.device)
+    approximations = model.approximations + (
+        ("activations traced from the transformers module (memkit has no hand model of "
+         f"{model.model_type})",) if model.traced else ())
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -54,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         out["model"] = model.name
         out["gpu"] = hardware.gpu.name
         out["plan"] = plan.to_dict()
+        out["device"] = args.device
+        out["approximations"] = list(approximations)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -66,4 +77,6 @@ def run(args: argparse.Namespace) -> int:
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
     print(render_breakdown(est, title=title))
+    for line in approximations:
+        print(f"  approximated: {line}")
     return 0

@@ -23,12 +23,6 @@ from memkit.spec.model import Linear, ModelSpec
 # Activations written in Python rather than as one aten kernel (transformers/activations.py):
 # they save several intermediates. Value: how many extra tensors of the input's size they keep.
 _PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "bloom_gelu", "gelu_accurate"}
-_GEMMA_NORM = {"gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma"}
-_SANDWICH_NORM = {"gemma2", "gemma3", "gemma3_text"}
-_QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"}
-_POST_NORM = {"bert", "roberta", "xlm-roberta", "distilbert", "electra"}
-_SOFTMAX_IN_FP32 = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-                    "gemma2", "gemma3", "gemma3_text", "phi3", "phi", "olmo2", "stablelm", "gpt_neox"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +90,7 @@ class _BlockReplay:
         h = spec.hidden_size
         if spec.norm_type == "layernorm":
             return tape.layer_norm(x)
-        if spec.model_type in _GEMMA_NORM:
+        if spec.block.rms_norm == "gemma":
             return tape.rms_norm_gemma(x, h, weight_grad=self.train_weights)
         return tape.rms_norm_llama(x, h, weight_grad=self.train_weights,
                                    weight_itemsize=self.num.weight_itemsize)
@@ -124,7 +118,8 @@ class _BlockReplay:
         # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
         # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
         # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
-        eager = self.plan.attention == "eager" or (self.device == "cpu" and spec.attention_dropout > 0)
+        eager = (self.plan.attention == "eager" or not spec.block.sdpa
+                 or (self.device == "cpu" and spec.attention_dropout > 0))
         if "qkv" in self.roles:
             # One fused projection split into strided views (GPT-2 c_attn, Phi-3 qkv_proj, Falcon,
             # BLOOM, GPT-NeoX query_key_value); rope writes new q and k; v stays a view.
@@ -141,7 +136,7 @@ class _BlockReplay:
             q = self.proj(y, self.roles["q"], split=True)
             k = self.proj(y, self.roles["k"], split=True)
             v = self.proj(y, self.roles["v"], split=True)
-            if spec.model_type in _QK_NORM:  # Qwen3/Gemma3 q_norm, k_norm over head_dim
+            if spec.block.qk_norm:  # Qwen3/Gemma3 q_norm, k_norm over head_dim
                 self.tape.region("norms")
                 q = self.tape.rms_norm_llama(q, d, weight_grad=self.train_weights,
                                              weight_itemsize=self.num.weight_itemsize)
@@ -157,13 +152,21 @@ class _BlockReplay:
                 k, v = Sym(q_numel, k.itemsize), Sym(q_numel, v.itemsize)
             out = tape.eager_attention(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
                                        dropout=spec.attention_dropout > 0,
-                                       softmax_fp32=spec.model_type in _SOFTMAX_IN_FP32,
+                                       softmax_fp32=spec.block.softmax_fp32, softcap=spec.block.attn_softcap,
                                        out_numel=q_numel)
         else:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
             out = tape.sdpa(q, k, v, heads=heads, tokens=t, out_numel=q_numel)
-        out = tape.contiguous_copy(out)  # attn_output.transpose(1, 2).contiguous()
+        if not eager and "qkv" not in self.roles:
+            # attn_output.transpose(1, 2).contiguous() is a no-op here: the flash kernels (CPU and CUDA)
+            # write their output in (b, s, h, d) layout and return a transposed view of it
+            # (aten/src/ATen/native/transformers/{attention.cpp,cuda/attention.cu}); o_proj saves that storage.
+            self.tape.region("attention")
+            return self.proj(out, self.roles["o"], split=False)
+        # eager, and SDPA fed strided views of a fused projection (traced: the copy is there):
+        # attn_output.transpose(1, 2).contiguous() copies
+        out = tape.contiguous_copy(out)
         return self.proj(out, self.roles["o"], split=False)
 
     def moe(self, y: Sym) -> Sym:
@@ -176,11 +179,13 @@ class _BlockReplay:
         logits = self.proj(y, router, split=False)
         tape.save(Sym(logits.numel, 4, True))  # softmax(router_logits, dtype=float) output
         routed = self.tokens * spec.num_experts_per_tok
-        a = self.num.autocast or self.num.weight_itemsize
+        # The experts run torch's grouped_mm on input.to(weight.dtype), which autocast does not cover
+        # (transformers/integrations/moe.py, _grouped_mm): they compute in the weights' dtype.
+        a = self.num.weight_itemsize
         inter = spec.intermediate_size // self.tp
         x_sel = Sym(routed * spec.hidden_size, y.itemsize, True)  # hidden_states[token_idx]
         gate_up = Sym(routed * 2 * inter, a, True)
-        tape.save(self.tape._autocast_in(x_sel), gate_up)      # linear input; act/mul read the views
+        tape.save(self.tape.cast(x_sel, a), gate_up)            # grouped_mm input; act/mul read the views
         act_out = Sym(routed * inter, a, True)
         prod = Sym(routed * inter, a, True)
         tape.save(act_out, prod)                                 # mul saves act_out; down saves prod
@@ -225,7 +230,7 @@ class _BlockReplay:
     # -- the block -------------------------------------------------------------
     def run(self, x: Sym) -> Sym:
         spec, tape = self.spec, self.tape
-        if spec.model_type in _POST_NORM:  # BERT: LayerNorm(dropout(attn(x)) + x), same for the MLP
+        if spec.block.norm_placement == "post":  # BERT: LayerNorm(dropout(attn(x)) + x), same for the MLP
             a = self.dropout(self.attention(x), spec.hidden_dropout)
             h1 = tape.region("norms").layer_norm(tape.add(a, x))
             m = self.dropout(self.mlp(h1), spec.hidden_dropout)
@@ -236,12 +241,12 @@ class _BlockReplay:
             m = self.dropout(self.mlp(y), spec.hidden_dropout)
             return tape.add(tape.add(a, m), x)
         a = self.attention(y)
-        if spec.model_type in _SANDWICH_NORM:
+        if spec.block.norm_placement == "sandwich":
             a = self.norm(a)
         a = self.dropout(a, spec.hidden_dropout)
         h1 = tape.add(x, a)
         m = self.mlp(self.norm(h1))
-        if spec.model_type in _SANDWICH_NORM:
+        if spec.block.norm_placement == "sandwich":
             m = self.norm(m)
         m = self.dropout(m, spec.hidden_dropout)
         return tape.add(h1, m)
@@ -326,12 +331,13 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
         return _traced_head(spec, plan, b, tokens, device)
     tape = Tape(autocast=num.autocast, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
-    if spec.kind != "encoder" or spec.model_type not in _POST_NORM:
+    post_norm = spec.block.norm_placement == "post"
+    if spec.kind != "encoder" or not post_norm:
         replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, spec.layer_linears, tp=1,
                               device=device)
         replay.tape = tape
         x = replay.norm(x)
-    if spec.model_type in _POST_NORM:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
+    if post_norm:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
         tape.region("head")
         hdn = tape.linear(x, tokens * spec.hidden_size, weight_grad=not plan.is_lora,
                           weight_itemsize=num.weight_itemsize)

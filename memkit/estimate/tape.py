@@ -175,7 +175,7 @@ class Tape:
         return out
 
     def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
-                        dropout: bool, softmax_fp32: bool, out_numel: int) -> Sym:
+                        dropout: bool, softmax_fp32: bool, out_numel: int, softcap: bool = False) -> Sym:
         """transformers eager_attention_forward: softmax(q k^T * scale + mask).to(v) @ v; Llama-style
         models ask softmax for fp32, GPT-2/BERT-style ones run it in the scores' dtype (autocast: fp32).
         torch.matmul flattens batch dims with reshape, so q/k/v given as strided views of a fused
@@ -184,6 +184,8 @@ class Tape:
             q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
         self.save(q, k)  # matmul(q, k^T)
         numel = heads * tokens * seq_len
+        if softcap:  # Gemma 2 (gemma2/modeling_gemma2.py): tanh(scores / cap) * cap; tanh saves its output
+            self.tanh(Sym(numel, q.itemsize, True))
         probs_raw = Sym(numel, 4 if softmax_fp32 else self._fp32_op(q).itemsize, True)
         self.save(probs_raw)  # softmax saves its output
         probs = self.cast(probs_raw, q.itemsize)

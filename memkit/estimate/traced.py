@@ -105,16 +105,17 @@ def auto_class_for(hf_config) -> str:
 
 
 def block_lists(model) -> list[tuple[str, object]]:
-    """The outermost ModuleLists of repeated blocks that hold most of the parameters (the decoder's
-    `layers`/`h`, T5's encoder and decoder `block`)."""
+    """The outermost ModuleLists of repeated blocks: those as long as a layer count of the config (the
+    decoder's `layers`/`h`, T5's encoder and decoder `block`), else those holding most parameters."""
     import torch
 
-    total = sum(p.numel() for p in model.parameters()) or 1
-    found = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) and not any(name.startswith(f + ".") for f, _ in found):
-            if sum(p.numel() for p in mod.parameters()) >= 0.1 * total:
-                found.append((name, mod))
+    counts = {getattr(model.config, k, None) for k in layer_count_keys(model.config) + ["num_layers"]}
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists)]
+    found = [(n, m) for n, m in outer if len(m) in counts]
+    if not found:
+        total = sum(p.numel() for p in model.parameters()) or 1
+        found = [(n, m) for n, m in outer if sum(p.numel() for p in m.parameters()) >= 0.1 * total]
     return found
 
 

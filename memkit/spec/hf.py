@@ -21,7 +21,7 @@ from pathlib import Path
 
 from memkit.errors import MemkitError, did_you_mean
 from memkit.presets_dir import presets_dir
-from memkit.spec.model import Linear, ModelSpec
+from memkit.spec.model import Block, Linear, ModelSpec
 
 
 # ---------------------------------------------------------------- the bundled catalog
@@ -271,7 +271,7 @@ def _common(c: _Cfg, **fields) -> dict:
 
 def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=None, head_dim_default=None,
                 q_bias=False, o_bias=False, mlp_bias=False, norms_per_block=2, qk_norm=False, fused=False,
-                experts=0, top_k=0, extra=None) -> dict:
+                experts=0, top_k=0, extra=None, block=None) -> dict:
     """Llama-style pre-norm decoder block: RMSNorm(H) weights only, attention, (gated) MLP.
 
     llama: transformers/models/llama/modeling_llama.py (LlamaAttention, LlamaMLP, LlamaDecoderLayer).
@@ -303,7 +303,9 @@ def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=No
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=0.0,
         num_experts=experts, num_experts_per_tok=top_k, tie_word_embeddings=tie, layer_linears=linears,
         embedding_params=vocab * h, layer_params=_sum(linears) + norms,
-        head_params=h + (0 if tie else vocab * h), extra=extra or {})
+        head_params=h + (0 if tie else vocab * h), extra=extra or {},
+        # eager_attention_forward in every Llama-style modeling file: softmax(..., dtype=torch.float32)
+        block=block or Block(softmax_fp32=True, qk_norm=qk_norm))
 
 
 def llama_like_fields(config: dict, source: str) -> dict:
@@ -361,7 +363,8 @@ def _gemma(c):
     # gemma/modeling_gemma.py: Llama block, tied embeddings by default, head_dim default 256.
     bias = c.flag("attention_bias", False)
     return _llama_like(c, architecture="GemmaForCausalLM", hidden_act=_gemma_act(c, "hidden_act"),
-                       tie_default=True, kv_default=16, head_dim_default=256, q_bias=bias, o_bias=bias)
+                       tie_default=True, kv_default=16, head_dim_default=256, q_bias=bias, o_bias=bias,
+                       block=Block(softmax_fp32=True, rms_norm="gemma"))
 
 
 def _gemma2(c):
@@ -369,7 +372,12 @@ def _gemma2(c):
     bias = c.flag("attention_bias", False)
     return _llama_like(c, architecture="Gemma2ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
                        tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
-                       norms_per_block=4, extra={"query_pre_attn_scalar": c.get("query_pre_attn_scalar")})
+                       norms_per_block=4, extra={"query_pre_attn_scalar": c.get("query_pre_attn_scalar")},
+                       # Gemma2Attention: no SDPA path in transformers 5 (_supports_sdpa False); scores and
+                       # final logits soft-capped with tanh (Gemma 2 report, Sec. 2) unless the cap is null.
+                       block=Block(softmax_fp32=True, rms_norm="gemma", norm_placement="sandwich", sdpa=False,
+                                   attn_softcap=c.data.get("attn_logit_softcapping", 50.0) is not None,
+                                   final_softcap=c.data.get("final_logit_softcapping", 30.0) is not None))
 
 
 def _gemma3_text(c):
@@ -378,7 +386,10 @@ def _gemma3_text(c):
     return _llama_like(c, architecture="Gemma3ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
                        tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
                        norms_per_block=4, qk_norm=True,
-                       extra={"sliding_window_pattern": c.get("sliding_window_pattern", default=6)})
+                       extra={"sliding_window_pattern": c.get("sliding_window_pattern", default=6)},
+                       block=Block(softmax_fp32=True, rms_norm="gemma", norm_placement="sandwich", qk_norm=True,
+                                   attn_softcap=c.get("attn_logit_softcapping") is not None,
+                                   final_softcap=c.get("final_logit_softcapping") is not None))
 
 
 def _phi3(c):
@@ -410,6 +421,7 @@ def _phi(c):
         hidden_act=c.get("hidden_act", default="gelu_new"), gated_mlp=False, norm_type="layernorm",
         position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("resid_pdrop", 0.0), tie_word_embeddings=tie, parallel_attn_mlp=True,
+        block=Block(softmax_fp32=True),  # phi/modeling_phi.py eager: softmax(..., dtype=torch.float32)
         layer_linears=linears, embedding_params=vocab * h, layer_params=_sum(linears) + 2 * h + qk_norm,
         head_params=head, extra={"embedding_dropout": c.num("embd_pdrop", 0.0)})
 
@@ -477,6 +489,7 @@ def _bloom(c):
         num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=4 * h,
         vocab_size=vocab, max_position_embeddings=c.pos_int("seq_length", 2048, "max_position_embeddings"),
         hidden_act="bloom_gelu", gated_mlp=False, norm_type="layernorm", position_embedding="alibi",
+        block=Block(sdpa=False),  # BloomAttention has no SDPA path in transformers 5
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
         tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + 2 * h,
         layer_params=_sum(linears) + 2 * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
@@ -533,6 +546,7 @@ def _gpt_neox(c):
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
         # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the block input (GPTNeoXLayer.forward)
         parallel_attn_mlp=c.flag("use_parallel_residual", True), layer_linears=linears,
+        block=Block(softmax_fp32=True),  # gpt_neox/modeling_gpt_neox.py eager: softmax(..., dtype=float32)
         embedding_params=vocab * h, layer_params=_sum(linears) + 2 * 2 * h,
         head_params=2 * h + (0 if tie else vocab * h))
 
@@ -561,7 +575,7 @@ def _bert_like(c, *, architecture):
         vocab_size=vocab, max_position_embeddings=n_pos, hidden_act=c.get("hidden_act", default="gelu"),
         gated_mlp=False, norm_type="layernorm", position_embedding="learned",
         attention_dropout=c.num("attention_probs_dropout_prob", 0.1), hidden_dropout=c.num("hidden_dropout_prob", 0.1),
-        tie_word_embeddings=tie, layer_linears=linears,
+        tie_word_embeddings=tie, layer_linears=linears, block=Block(norm_placement="post"),
         embedding_params=vocab * h + n_pos * h + n_types * h + 2 * h,  # word, position, token type, LayerNorm
         layer_params=_sum(linears) + 2 * 2 * h, head_params=head)
 

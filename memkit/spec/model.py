@@ -32,6 +32,28 @@ class Linear:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Block:
+    """How one block computes, as far as what autograd saves depends on it (set by spec/hf.py from the
+    family's modeling file; the activation tape reads these instead of model_type names)."""
+
+    norm_placement: str = "pre"
+    """'pre' (Llama, GPT-2), 'post' (BERT: LayerNorm after each residual add) or 'sandwich'
+    (Gemma 2/3: a norm before and after attention and MLP)."""
+    rms_norm: str = "llama"
+    """RMSNorm form: 'llama' (weight * normed.to(dtype)) or 'gemma' ((normed * (1 + weight)).type_as(x))."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k (Qwen3, Gemma 3, OLMo 2)."""
+    softmax_fp32: bool = False
+    """Eager attention calls softmax(..., dtype=float32) (Llama-style) rather than in the scores' dtype."""
+    sdpa: bool = True
+    """transformers has an SDPA path for the family (Gemma 2 and BLOOM in transformers 5 do not)."""
+    attn_softcap: bool = False
+    """Gemma 2: scores / cap -> tanh -> * cap before the softmax (tanh saves its output)."""
+    final_softcap: bool = False
+    """Gemma 2: the same soft-capping on the final logits."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """A transformer as memkit sees it. Counts are `num_*` (STYLE.md, torchtitan)."""
 
@@ -70,6 +92,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     parallel_attn_mlp: bool = False
     """Attention and MLP read the same normed input (Falcon, GPT-J, Phi-2) instead of in sequence."""
+    block: Block = Block()
+    """Block structure the activation tape needs (norm placement, q/k norm, softmax dtype, ...)."""
     layer_linears: tuple[Linear, ...]
     """The linears of one (decoder) block."""
     encoder_layer_linears: tuple[Linear, ...] = ()
