@@ -118,8 +118,11 @@ class _BlockReplay:
         # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
         # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
         # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
-        eager = (self.plan.attention == "eager" or not spec.block.sdpa
-                 or (self.device == "cpu" and spec.attention_dropout > 0))
+        eager = self.plan.attention == "eager" or not spec.block.sdpa
+        # SDPA's math fallback: CPU has no fused kernel taking attention dropout (attention.cpp,
+        # _fused_sdp_choice_cpp), and no fused kernel takes K/V heads broadcast against more query
+        # heads without enable_gqa (Falcon multi-query).
+        math = not eager and ((self.device == "cpu" and spec.attention_dropout > 0) or spec.block.sdpa_kv_broadcast)
         if "qkv" in self.roles:
             # One fused projection split into strided views (GPT-2 c_attn, Phi-3 qkv_proj, Falcon,
             # BLOOM, GPT-NeoX query_key_value); rope writes new q and k; v stays a view.
@@ -154,11 +157,15 @@ class _BlockReplay:
                                        dropout=spec.attention_dropout > 0,
                                        softmax_fp32=spec.block.softmax_fp32, softcap=spec.block.attn_softcap,
                                        out_numel=q_numel)
+        elif math:
+            self.uses_scores = True
+            out = tape.sdpa_math(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
+                                 dropout=spec.attention_dropout > 0, out_numel=q_numel)
         else:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
             out = tape.sdpa(q, k, v, heads=heads, tokens=t, out_numel=q_numel)
-        if not eager and "qkv" not in self.roles:
+        if not eager and not math and "qkv" not in self.roles:
             # attn_output.transpose(1, 2).contiguous() is a no-op here: the flash kernels (CPU and CUDA)
             # write their output in (b, s, h, d) layout and return a transposed view of it
             # (aten/src/ATen/native/transformers/{attention.cpp,cuda/attention.cu}); o_proj saves that storage.

@@ -174,6 +174,25 @@ class Tape:
         self.save(q, k, v, out, Sym(heads * tokens, 4, False))
         return out
 
+    def sdpa_math(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int, dropout: bool,
+                  out_numel: int) -> Sym:
+        """SDPA's math fallback (aten/src/ATen/native/transformers/attention.cpp,
+        _scaled_dot_product_attention_math): q*sqrt(scale) and k^T*sqrt(scale) are new tensors that
+        matmul's reshape copies at full head count (a broadcast K/V head is expanded), softmax saves its
+        output, then dropout and matmul with v (expanded likewise). On CPU, 16-bit inputs are upcast to
+        fp32 first and the output cast back."""
+        if self.autocast:
+            q = self.cast(q, self.autocast)
+        size = 4 if (self.device == "cpu" and q.itemsize == 2) else q.itemsize
+        per_head = Sym(q.numel, size, True)
+        self.save(per_head, Sym(q.numel, size, True))              # q scaled, k^T scaled (expanded)
+        probs = Sym(heads * tokens * seq_len, size, True)
+        self.save(probs)                                            # softmax output
+        if dropout:
+            probs = self.dropout(probs)
+        self.save(probs, Sym(q.numel, size, True))                  # matmul(probs, v expanded)
+        return Sym(out_numel, q.itemsize, True)
+
     def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
                         dropout: bool, softmax_fp32: bool, out_numel: int, softcap: bool = False) -> Sym:
         """transformers eager_attention_forward: softmax(q k^T * scale + mask).to(v) @ v; Llama-style

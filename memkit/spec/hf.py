@@ -524,6 +524,8 @@ def _falcon(c):
         hidden_act=c.get("activation", default="gelu"), gated_mlp=False, norm_type="layernorm",
         position_embedding="alibi" if alibi else "rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
+        # FalconAttention (sdpa branch): multi-query passes one K/V head to SDPA without enable_gqa.
+        block=Block(sdpa_kv_broadcast=not new_arch and multi_query),
         parallel_attn_mlp=parallel, layer_linears=linears, embedding_params=vocab * h,
         layer_params=_sum(linears) + n_ln * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
 

@@ -47,6 +47,9 @@ class Block:
     """Eager attention calls softmax(..., dtype=float32) (Llama-style) rather than in the scores' dtype."""
     sdpa: bool = True
     """transformers has an SDPA path for the family (Gemma 2 and BLOOM in transformers 5 do not)."""
+    sdpa_kv_broadcast: bool = False
+    """SDPA gets fewer K/V heads than query heads without enable_gqa (Falcon multi-query): no fused
+    kernel takes that, so SDPA runs its math path and keeps the attention matrix."""
     attn_softcap: bool = False
     """Gemma 2: scores / cap -> tanh -> * cap before the softmax (tanh saves its output)."""
     final_softcap: bool = False
