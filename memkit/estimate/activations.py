@@ -22,7 +22,9 @@ from memkit.spec.model import Linear, ModelSpec
 
 # Activations written in Python rather than as one aten kernel (transformers/activations.py):
 # they save several intermediates. Value: how many extra tensors of the input's size they keep.
-_PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "bloom_gelu", "gelu_accurate"}
+# Not bloom_gelu: bloom/modeling_bloom.py wraps it in a torch.autograd.Function (GeLUFunction)
+# whose ctx saves only the input, like aten's gelu.
+_PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "gelu_accurate"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +85,7 @@ class _BlockReplay:
         # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
         self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
         self.uses_scores = False  # set when the block keeps s^2 attention probabilities
+        self.cross = False  # a decoder block of an encoder-decoder model (cross-attention)
 
     # -- pieces ---------------------------------------------------------------
     def norm(self, x: Sym) -> Sym:
@@ -122,7 +125,9 @@ class _BlockReplay:
         # SDPA's math fallback: CPU has no fused kernel taking attention dropout (attention.cpp,
         # _fused_sdp_choice_cpp), and no fused kernel takes K/V heads broadcast against more query
         # heads without enable_gqa (Falcon multi-query).
-        math = not eager and ((self.device == "cpu" and spec.attention_dropout > 0) or spec.block.sdpa_kv_broadcast)
+        # The same when the mask needs grad (T5's learned position bias: no fused backward for it).
+        math = not eager and ((self.device == "cpu" and spec.attention_dropout > 0) or spec.block.sdpa_kv_broadcast
+                              or spec.block.attn_bias_grad)
         if "qkv" in self.roles:
             # One fused projection split into strided views (GPT-2 c_attn, Phi-3 qkv_proj, Falcon,
             # BLOOM, GPT-NeoX query_key_value); rope writes new q and k; v stays a view.
@@ -220,6 +225,8 @@ class _BlockReplay:
         else:
             up = self.proj(y, self.roles["up"], split=True)
             h = self._activation(up, act)
+        if self.spec.block.ffn_dropout:  # T5DenseActDense: dropout between the activation and wo
+            h = self.dropout(h, self.spec.hidden_dropout)
         return self.proj(h, self.roles["down"], split=False)
 
     def _activation(self, x: Sym, act: str) -> Sym:
@@ -232,6 +239,13 @@ class _BlockReplay:
             one_plus = Sym(th.numel, th.itemsize, True)
             half_x = tape.scale(x)
             return tape.mul(half_x, one_plus)
+        if act == "relu":
+            # aten relu's backward reads its output (threshold_backward(grad, result, 0),
+            # tools/autograd/derivatives.yaml), the same tensor the next linear saves: counted once.
+            out = Sym(x.numel, x.itemsize, x.requires_grad)
+            if x.requires_grad:
+                tape.save(out)
+            return out
         return tape.act_saving_input(x)
 
     # -- the block -------------------------------------------------------------
@@ -252,6 +266,9 @@ class _BlockReplay:
             a = self.norm(a)
         a = self.dropout(a, spec.hidden_dropout)
         h1 = tape.add(x, a)
+        if self.cross:  # T5 decoder: T5LayerCrossAttention, the same pre-norm residual around attention
+            # whose k/v read the encoder output (one tensor all decoder blocks share, priced once: no save)
+            h1 = tape.add(h1, self.dropout(self.attention(self.norm(h1)), spec.hidden_dropout))
         m = self.mlp(self.norm(h1))
         if spec.block.norm_placement == "sandwich":
             m = self.norm(m)
@@ -260,10 +277,25 @@ class _BlockReplay:
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
-                      encoder: bool = False, device: str = "cuda") -> BlockActivations:
-    """Saved bytes of one block for one micro-batch on one rank."""
+                      encoder: bool | None = None, device: str = "cuda") -> BlockActivations:
+    """Saved bytes of one block for one micro-batch on one rank. An encoder-decoder model's blocks
+    differ (the decoder's cross-attention): `encoder` picks one; None gives their mean over the model,
+    which the phase walk multiplies by the layer count."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
+    if encoder is None and spec.num_encoder_layers and not spec.traced:
+        enc, dec = (block_activations(spec, plan, micro_batch_size=b, encoder=e, device=device) for e in (True, False))
+        n_enc, n_dec, total = spec.num_encoder_layers, spec.num_layers, spec.total_layers
+
+        def mean(a: int, c: int) -> int:
+            return (a * n_enc + c * n_dec) // total
+
+        return BlockActivations(saved_bytes=mean(enc.saved_bytes, dec.saved_bytes), input_bytes=dec.input_bytes,
+                                backward_transient_bytes=max(enc.backward_transient_bytes,
+                                                             dec.backward_transient_bytes),
+                                by_label={k: mean(enc.by_label.get(k, 0), dec.by_label.get(k, 0))
+                                          for k in {**enc.by_label, **dec.by_label}})
+    encoder = bool(encoder)
     tokens = b * plan.seq_len
     linears = spec.encoder_layer_linears if encoder else spec.layer_linears
     if plan.sequence_parallel and plan.tp > 1:
@@ -284,6 +316,7 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
             trace.attention == "eager"
     else:
         replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
+        replay.cross = spec.kind == "encoder-decoder" and not encoder
         replay.run(x)
         saved, labels, uses_scores = replay.tape.saved_bytes, dict(replay.tape.labels), replay.uses_scores
     # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
@@ -353,6 +386,8 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     logits_itemsize = num.autocast or num.weight_itemsize
     tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
     saved = tape.saved_bytes + tokens * spec.vocab_size * 4  # + the fp32 log-probs log_softmax saves
+    if spec.block.final_softcap:  # Gemma 2: logits = tanh(logits / cap) * cap; tanh saves its output
+        saved += tokens * spec.vocab_size * logits_itemsize
     forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
     embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
     return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,

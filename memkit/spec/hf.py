@@ -489,7 +489,8 @@ def _bloom(c):
         num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=4 * h,
         vocab_size=vocab, max_position_embeddings=c.pos_int("seq_length", 2048, "max_position_embeddings"),
         hidden_act="bloom_gelu", gated_mlp=False, norm_type="layernorm", position_embedding="alibi",
-        block=Block(sdpa=False),  # BloomAttention has no SDPA path in transformers 5
+        # BloomAttention: no SDPA path in transformers 5; softmax(..., dtype=torch.float32).to(input_dtype)
+        block=Block(sdpa=False, softmax_fp32=True),
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
         tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + 2 * h,
         layer_params=_sum(linears) + 2 * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
@@ -623,6 +624,9 @@ def _t5(c):
         head_dim=hd, intermediate_size=d_ff, vocab_size=vocab,
         max_position_embeddings=c.pos_int("n_positions", 512), hidden_act=act, gated_mlp=gated, norm_type="rmsnorm",
         position_embedding="relative", attention_dropout=dropout, hidden_dropout=dropout, tie_word_embeddings=tie,
+        # t5/modeling_t5.py: the position bias (an nn.Embedding) is added to the scores as SDPA's mask;
+        # T5DenseActDense / T5DenseGatedActDense drop out before wo.
+        block=Block(attn_bias_grad=True, ffn_dropout=True),
         layer_linears=dec, encoder_layer_linears=enc,
         embedding_params=vocab * h + 2 * buckets * n_heads,
         layer_params=_sum(dec) + 3 * h, encoder_layer_params=_sum(enc) + 2 * h,

@@ -50,6 +50,11 @@ class Block:
     sdpa_kv_broadcast: bool = False
     """SDPA gets fewer K/V heads than query heads without enable_gqa (Falcon multi-query): no fused
     kernel takes that, so SDPA runs its math path and keeps the attention matrix."""
+    attn_bias_grad: bool = False
+    """The attention mask carries a learned bias that needs grad (T5's relative position bias): SDPA
+    has no fused backward for it and runs its math path."""
+    ffn_dropout: bool = False
+    """Dropout between the MLP activation and its down projection (T5DenseActDense)."""
     attn_softcap: bool = False
     """Gemma 2: scores / cap -> tanh -> * cap before the softmax (tanh saves its output)."""
     final_softcap: bool = False
