@@ -52,9 +52,10 @@ def run(args: argparse.Namespace) -> int:
     hardware = hardware_from_args(args)
     plan = plan_from_args(args, model, hardware)
     est = estimate_memory(model, plan, hardware, device=args.device)
-    approximations = model.approximations + (
-        ("activations traced from the transformers module (memkit has no hand model of "
-         f"{model.model_type})",) if model.traced else ())
+    from memkit.estimate.activations import activation_source
+
+    approximations = model.approximations + ((activation_source(model, plan, device=args.device),)
+                                             if model.traced else ())
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)

@@ -308,8 +308,10 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
                                 backward_transient_bytes=whole.backward_transient_bytes // t,
                                 by_label={k: v // t for k, v in whole.by_label.items()})
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
-    if spec.traced:  # any other architecture: what autograd saves in the HF module itself
-        trace = _trace(spec, plan, b, device)
+    trace = _trace(spec, plan, b, device) if spec.traced else None
+    if spec.traced and trace is None:
+        return block_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
+    if trace is not None:  # any other architecture: what autograd saves in the HF module itself
         # A (non-sequence-parallel) TP rank keeps the hidden-sized tensors whole and splits the
         # rest; the trace does not tell them apart, so tp divides nothing (an upper bound).
         saved, labels, uses_scores = trace.block_saved_bytes, {"traced": trace.block_saved_bytes}, \
@@ -333,10 +335,37 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
 
 
 def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):
+    """The traced activations of `spec`, or None where its module cannot be traced (activation_source)."""
     from memkit.estimate.traced import trace_plan  # lazy: torch only for traced models
 
-    return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
-                      micro_batch_size=micro_batch_size, device=device)
+    try:
+        return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
+                          micro_batch_size=micro_batch_size, device=device)
+    except Exception:  # noqa: BLE001 -- any failure inside a foreign module: fall back, and say so
+        return None
+
+
+def activation_source(spec: ModelSpec, plan: TrainingPlan, *, device: str = "cuda") -> str:
+    """Where the activations of `spec` under `plan` come from, in words (the CLI prints it)."""
+    if not spec.traced:
+        return "hand-modelled tape"
+    trace = _trace(spec, plan, plan.micro_batch_size, device)
+    if trace is None:
+        return (f"the {spec.model_type} module could not be traced: activations priced as a Llama-style "
+                "block of the same sizes")
+    notes = "; ".join(trace.notes)
+    return f"traced from the transformers {spec.model_type} module" + (f" ({notes})" if notes else "")
+
+
+def _llama_equivalent(spec: ModelSpec) -> ModelSpec:
+    """A hand-modelled Llama block with `spec`'s sizes: the fallback when tracing fails."""
+    from memkit.spec.hf import spec_from_config
+
+    return spec_from_config({"model_type": "llama", "hidden_size": spec.hidden_size,
+                             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
+                             "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim,
+                             "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+                             "max_position_embeddings": spec.max_position_embeddings}, name=spec.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -398,6 +427,8 @@ def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, devic
     """The traced model's head and embedding regions (estimate/traced.py): the head's saved tensors
     include the fp32 log-probs; the loss peaks are those of HF's loss (_loss_peaks)."""
     trace = _trace(spec, plan, b, device)
+    if trace is None:
+        return head_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
     num = numerics(plan)
     forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, num.autocast or num.weight_itemsize)
     # The batch's input_ids are saved by the embedding (traced); labels live beside them (int64).

@@ -166,6 +166,7 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     hf_config = build_config(json.loads(config_json))
     hf_config.use_cache = False
     k = _traced_layers(hf_config)
+    total_layers = hf_config.num_hidden_layers
     _shrunk(hf_config, k)
     dtype = torch.bfloat16 if weight_itemsize == 2 else torch.float32
     notes = []
@@ -189,11 +190,22 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             model(input_ids=ids, labels=ids)
         saved = recorder.priced(device=device, autocast=bool(autocast))
-    blocks = [v for r, v in saved.items() if r.startswith("block")]
     num_blocks = len(recorder.blocks)
-    return Trace(block_saved_bytes=sum(blocks) // max(1, num_blocks),
+    weights = _block_weights(recorder.blocks, total_layers, getattr(hf_config, "first_k_dense_replace", None))
+    block_mean = sum(w * saved.get(label, 0) for label, w in weights.items()) // max(1, sum(weights.values()))
+    return Trace(block_saved_bytes=block_mean,
                  embedding_saved_bytes=saved.get("embedding", 0), head_saved_bytes=saved.get("head", 0),
                  num_blocks=num_blocks, attention=attn, notes=tuple(notes))
+
+
+def _block_weights(labels: list[str], total_layers: int, dense_first) -> dict[str, int]:
+    """How many of the model's blocks each traced block stands for: one each, except that with
+    DeepSeek's `first_k_dense_replace` k the first k traced blocks are the dense ones and the last
+    traced (MoE) block stands for the other total - k."""
+    weights = {label: 1 for label in labels}
+    if isinstance(dense_first, int) and 0 < dense_first < len(labels) and len(labels) < total_layers:
+        weights[labels[-1]] = total_layers - len(labels) + 1
+    return weights
 
 
 def _build(auto, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tuple, lora_dropout: bool):

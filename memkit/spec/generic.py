@@ -76,8 +76,11 @@ def generic_fields(config: dict, source: str) -> dict:
         encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
         layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
         traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
-                            "approximations": ("tensor-parallel splits: linears not in memkit's role table "
-                                               "are priced as replicated",)})
+                            "approximations": tuple(
+                                f"tensor-parallel splits: {', '.join(unknown)} priced as replicated (not in "
+                                "memkit's role table)" for unknown in [sorted({
+                                    lin.name for lin in linears if lin.role not in _TP and lin.role != "router"})]
+                                if unknown)})
 
 
 def _known_to_transformers(model_type: str) -> bool:
@@ -89,9 +92,16 @@ def _known_to_transformers(model_type: str) -> bool:
 def _remote_code_fields(config: dict, source: str) -> dict:
     """No transformers class (the model ships remote code, which memkit does not run): a Llama-style
     pre-norm block (transformers/models/llama/modeling_llama.py) from the config's sizes."""
+    import transformers
+
     from memkit.spec.hf import llama_like_fields
 
-    fields = llama_like_fields(config, source)
+    try:
+        fields = llama_like_fields(config, source)
+    except MemkitError as exc:
+        raise MemkitError(f"model_type {config['model_type']!r} is not in transformers {transformers.__version__} "
+                          f"(remote code memkit does not run), so memkit prices it as a Llama-style block from its "
+                          f"sizes, but {exc}") from None
     fields["extra"] = {**fields.get("extra", {}), "approximations": (
         f"model_type {config['model_type']!r} is not in transformers (remote code, not run): parameters and "
         "activations priced as a Llama-style block from the config's sizes",)}
@@ -135,11 +145,14 @@ def _linears(block) -> tuple[Linear, ...]:
             rows = [(leaf, mod.in_features, mod.out_features, mod.bias is not None, 1)]
         elif Conv1D and isinstance(mod, Conv1D):  # GPT-2 style: weight is (in, out)
             rows = [(leaf, mod.weight.shape[0], mod.weight.shape[1], mod.bias is not None, 1)]
+        elif type(mod).__name__.endswith("Router") and getattr(mod, "weight", None) is not None:
+            rows = [(leaf, mod.weight.shape[1], mod.weight.shape[0], False, 1)]  # MoE router: (experts, hidden)
         else:  # fused MoE experts: 3-D (num_experts, out, in) parameters
             rows = [(f"{leaf}.{pname}", p.shape[2], p.shape[1], False, p.shape[0])
                     for pname, p in mod.named_parameters(recurse=False) if p.dim() == 3]
         for name, fin, fout, bias, count in rows:
-            role = _ROLES.get(name, "expert" if count > 1 else "other")
+            role = "router" if type(mod).__name__.endswith("Router") else _ROLES.get(
+                name, "expert" if count > 1 else "other")
             out.append(Linear(name=name, in_features=int(fin), out_features=int(fout), bias=bias, role=role,
                               count=int(count), tp_style=_TP.get(role, "replicate")))
     return tuple(out)

@@ -111,7 +111,9 @@ class ModelSpec:
     embedding_params: int
     """Input embeddings: token, position and token-type tables (plus their norm, if any)."""
     layer_params: int
-    """Exact parameters of one decoder block (largest block where blocks differ)."""
+    """Exact parameters of one decoder block. Hand-modelled families have identical blocks; a traced
+    model whose blocks differ (DeepSeek's dense first blocks) gets the mean, rounded down, and
+    head_params takes the remainder, so num_params stays exact."""
     encoder_layer_params: int = 0
     head_params: int
     """Everything after the last block: final norm, untied LM head or task head, pooler."""

@@ -206,3 +206,36 @@ def test_remote_code_config_is_estimated_with_the_approximation_stated():
     h, i, v = 512, 1376, 32000
     assert spec.num_params == v * h + 4 * (4 * h * h + 3 * h * i + 2 * h) + h + v * h
     assert math.isfinite(estimate_memory(spec, TrainingPlan(micro_batch_size=1, seq_len=256), CPU).allocated_peak_bytes)
+
+
+class TinyOpaqueConfig(TinyNovelConfig):
+    model_type = "memkit_tiny_opaque"
+
+
+class TinyOpaqueForCausalLM(TinyNovelForCausalLM):
+    """Reads a tensor's value in forward (data-dependent Python control flow): fake tensors cannot."""
+
+    config_class = TinyOpaqueConfig
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        if int(input_ids.max()) >= self.config.vocab_size:
+            raise ValueError("token id out of range")
+        return super().forward(input_ids, labels=labels, **kwargs)
+
+
+def test_a_module_that_cannot_be_traced_falls_back_and_says_so():
+    from memkit.estimate.activations import activation_source
+
+    transformers.AutoConfig.register(TinyOpaqueConfig.model_type, TinyOpaqueConfig, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(TinyOpaqueConfig, TinyOpaqueForCausalLM, exist_ok=True)
+    spec = spec_from_config({"model_type": TinyOpaqueConfig.model_type, "vocab_size": 1000, "hidden_size": 128,
+                             "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 384},
+                            name="tiny-opaque")
+    assert spec.traced
+    assert "could not be traced" in activation_source(spec, PLAN, device="cpu")
+    # Priced as a Llama-style block of the same sizes: the llama spec's tape, exactly.
+    llama = spec_from_config({"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 3,
+                              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+                              "intermediate_size": 384, "max_position_embeddings": spec.max_position_embeddings},
+                             name="llama")
+    assert block_activations(spec, PLAN, device="cpu") == block_activations(llama, PLAN, device="cpu")
