@@ -170,10 +170,12 @@ class _BlockReplay:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
             out = tape.sdpa(q, k, v, heads=heads, tokens=t, out_numel=q_numel)
-        if not eager and not math and "qkv" not in self.roles:
-            # attn_output.transpose(1, 2).contiguous() is a no-op here: the flash kernels (CPU and CUDA)
-            # write their output in (b, s, h, d) layout and return a transposed view of it
-            # (aten/src/ATen/native/transformers/{attention.cpp,cuda/attention.cu}); o_proj saves that storage.
+        if not eager and not math and "qkv" not in self.roles and self.device == "cpu":
+            # attn_output.transpose(1, 2).contiguous() is a no-op here: CPU's flash kernel writes its
+            # output in (b, s, h, d) layout and returns a transposed view of it (aten/src/ATen/native/
+            # transformers/attention.cpp); o_proj saves that storage (traced and measured: the golden
+            # rows). On CUDA the copy is kept: the published per-layer figure (stas00/ml-engineering,
+            # 28.0 bsh x 2 bytes for Llama-3.1-8B) includes a tensor of that size.
             self.tape.region("attention")
             return self.proj(out, self.roles["o"], split=False)
         # eager, and SDPA fed strided views of a fused projection (traced: the copy is there):
