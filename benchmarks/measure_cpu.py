@@ -125,7 +125,13 @@ SINGLE_ROWS = [
 ] + [row for arch in TRACED_FAMILIES for att in ["eager" if arch in NO_SDPA else "sdpa"] for row in (
     _single(f"{arch}-fp32-{att}", arch, attention=att),
     _single(f"{arch}-bf16-{att}", arch, precision="bf16", attention=att),
-    _single(f"{arch}-bf16-{att}-ckpt", arch, precision="bf16", checkpointing="full", attention=att))]
+    _single(f"{arch}-bf16-{att}-ckpt", arch, precision="bf16", checkpointing="full", attention=att))] + [
+    # LoRA through the traced path (peft applied to the traced module)
+    _single("olmo2-fp32-sdpa-lora8", "olmo2", lora_rank=8, lora_targets=("q_proj", "v_proj")),
+    _single("qwen3-moe-bf16-sdpa-lora8", "qwen3-moe", precision="bf16", lora_rank=8,
+            lora_targets=("q_proj", "v_proj")),
+    _single("gptj-bf16pure-sdpa-lora8", "gptj", precision="bf16-pure", lora_rank=8,
+            lora_targets=("q_proj", "v_proj"))]
 
 # DeepSpeed: 2 ranks, small buckets so they matter without dominating (elements, not bytes).
 DS_BASE = TrainingPlan(engine="deepspeed", precision="bf16", attention="sdpa", micro_batch_size=2, seq_len=256,

@@ -199,10 +199,12 @@ class _BlockReplay:
         inter = spec.intermediate_size // self.tp
         x_sel = Sym(routed * spec.hidden_size, y.itemsize, True)  # hidden_states[token_idx]
         gate_up = Sym(routed * 2 * inter, a, True)
-        tape.save(self.tape.cast(x_sel, a), gate_up)            # grouped_mm input; act/mul read the views
+        # grouped_mm saves its input only for the weight's grad: frozen (LoRA) experts keep none.
+        experts_train = self.train_weights
+        tape.save(*((self.tape.cast(x_sel, a), gate_up) if experts_train else (gate_up,)))  # act/mul read gate_up
         act_out = Sym(routed * inter, a, True)
         prod = Sym(routed * inter, a, True)
-        tape.save(act_out, prod)                                 # mul saves act_out; down saves prod
+        tape.save(*((act_out, prod) if experts_train else (act_out,)))  # mul saves act_out; down saves prod
         down = Sym(routed * spec.hidden_size, a, True)
         tape.save(down)                                          # * routing weight saves both
         return Sym(self.tokens * spec.hidden_size, y.itemsize, True)

@@ -124,25 +124,23 @@ def layer_count_keys(hf_config) -> list[str]:
     return [k for k in ("num_hidden_layers", "num_decoder_layers") if isinstance(getattr(hf_config, k, None), int)]
 
 
-def _traced_layers(hf_config) -> int:
-    """Blocks to trace: 2, or enough to cover one period of per-layer types (sliding/full attention,
-    dense/MoE), so the mean over the traced blocks is the mean over the model."""
+def _traced_layers(hf_config) -> tuple[int, bool]:
+    """Blocks to trace, and whether they are one period of per-layer types (sliding/full attention):
+    2, or one period, or DeepSeek's dense blocks and one MoE block (see _block_weights)."""
     n = getattr(hf_config, "num_hidden_layers")
-    want = 2
+    want, periodic = 2, False
     types = getattr(hf_config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:
-        distinct = set(types)
-        seen = set()
+    if isinstance(types, (list, tuple)) and len(set(types)) > 1:
+        distinct, seen = set(types), set()
         for i, t in enumerate(types):
             seen.add(t)
             if seen == distinct:
-                want = max(want, i + 1)
+                want, periodic = max(want, i + 1), True
                 break
-    for key in ("first_k_dense_replace",):  # DeepSeek: the first k blocks are dense
-        k = getattr(hf_config, key, None)
-        if isinstance(k, int) and k > 0:
-            want = max(want, k + 1)
-    return min(n, want)
+    k = getattr(hf_config, "first_k_dense_replace", None)  # DeepSeek: the first k blocks are dense
+    if isinstance(k, int) and k > 0:
+        want, periodic = max(want, k + 1), False
+    return min(n, want), periodic
 
 
 def _shrunk(hf_config, k: int):
@@ -165,8 +163,8 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
 
     hf_config = build_config(json.loads(config_json))
     hf_config.use_cache = False
-    k = _traced_layers(hf_config)
-    total_layers = hf_config.num_hidden_layers
+    k, periodic = _traced_layers(hf_config)
+    hf_config.memkit_real_layers = {key: getattr(hf_config, key) for key in layer_count_keys(hf_config)}
     _shrunk(hf_config, k)
     dtype = torch.bfloat16 if weight_itemsize == 2 else torch.float32
     notes = []
@@ -191,21 +189,43 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
             model(input_ids=ids, labels=ids)
         saved = recorder.priced(device=device, autocast=bool(autocast))
     num_blocks = len(recorder.blocks)
-    weights = _block_weights(recorder.blocks, total_layers, getattr(hf_config, "first_k_dense_replace", None))
+    weights = _block_weights(recorder.blocks, _stack_counts(hf_config, model), periodic)
     block_mean = sum(w * saved.get(label, 0) for label, w in weights.items()) // max(1, sum(weights.values()))
     return Trace(block_saved_bytes=block_mean,
                  embedding_saved_bytes=saved.get("embedding", 0), head_saved_bytes=saved.get("head", 0),
                  num_blocks=num_blocks, attention=attn, notes=tuple(notes))
 
 
-def _block_weights(labels: list[str], total_layers: int, dense_first) -> dict[str, int]:
-    """How many of the model's blocks each traced block stands for: one each, except that with
-    DeepSeek's `first_k_dense_replace` k the first k traced blocks are the dense ones and the last
-    traced (MoE) block stands for the other total - k."""
-    weights = {label: 1 for label in labels}
-    if isinstance(dense_first, int) and 0 < dense_first < len(labels) and len(labels) < total_layers:
-        weights[labels[-1]] = total_layers - len(labels) + 1
+def _block_weights(labels: list[str], real_counts: dict[str, int], periodic: bool) -> dict[str, int]:
+    """How many of the model's blocks each traced block stands for. One period of per-layer types
+    (`periodic`): the period repeats, every traced block counts alike. Otherwise the first traced
+    blocks of each stack stand for themselves and its last one for the rest: the first blocks can
+    differ (DeepSeek's dense `first_k_dense_replace` blocks; under LoRA nothing before the first
+    adapter needs grad, so block 0 saves less)."""
+    stacks: dict[str, list[str]] = {}
+    for label in labels:
+        stacks.setdefault(label.rsplit(".", 1)[0], []).append(label)
+    weights = {}
+    for stack, members in stacks.items():
+        real = real_counts.get(stack, len(members))
+        for label in members:
+            weights[label] = 1
+        if not periodic and real > len(members):
+            weights[members[-1]] = real - len(members) + 1
+        elif periodic:
+            for label in members:
+                weights[label] = real  # uniform; normalised by the sum below
     return weights
+
+
+def _stack_counts(hf_config, model) -> dict[str, int]:
+    """Real block count of each traced stack, keyed like the recorder's labels ('block:<list name>')."""
+    counts = {}
+    for name, _blocks in block_lists(model):
+        key = "num_decoder_layers" if "decoder" in name and hasattr(hf_config, "num_decoder_layers") \
+            else "num_hidden_layers"
+        counts[f"block:{name}"] = hf_config.memkit_real_layers.get(key, getattr(hf_config, key))
+    return counts
 
 
 def _build(auto, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tuple, lora_dropout: bool):
@@ -281,10 +301,27 @@ def _unpacked_batch():
 
 
 def _fallback_grouped_mm():
-    """MoE experts in transformers 5 run torch's grouped_mm, whose fake (meta) kernel accepts bf16 only;
-    its fallback op (transformers/integrations/moe.py, grouped_mm_fallback) saves the same input and
-    weight for backward and has a fake kernel for every dtype, so the trace routes through it."""
-    return _patched("transformers.integrations.moe", "_can_use_grouped_mm", lambda *a, **k: False)
+    """MoE experts in transformers 5 run torch's grouped_mm (transformers/integrations/moe.py,
+    _grouped_mm), whose fake (meta) kernel accepts bf16 only. The trace swaps in an op of the same
+    shapes and dtype that saves what a matmul's autograd saves: the input if the weight needs grad,
+    the weight if the input does (tools/autograd/derivatives.yaml, mm) -- so frozen (LoRA) experts
+    keep no inputs."""
+    import torch
+
+    class _GroupedMM(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, weight, offs):
+            ctx.save_for_backward(inp if weight.requires_grad else None, weight if inp.requires_grad else None)
+            return inp.new_empty((inp.shape[0], weight.shape[-1]))
+
+        @staticmethod
+        def backward(ctx, grad):  # pragma: no cover -- the trace runs no backward
+            raise NotImplementedError("memkit's traced grouped_mm has no backward")
+
+    def grouped_mm(inp, weight, offs):
+        return _GroupedMM.apply(inp.to(weight.dtype), weight, offs)
+
+    return _patched("transformers.integrations.moe", "_grouped_mm", grouped_mm)
 
 
 @contextlib.contextmanager
