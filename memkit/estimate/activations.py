@@ -423,6 +423,12 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
         saved += tokens * spec.vocab_size * logits_itemsize
     forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
     embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
+    if spec.block.attn_bias_grad and plan.checkpointing == "full":
+        # T5Stack (t5/modeling_t5.py): block 0 returns the position bias (b, heads, s, s) and every block
+        # takes it as an argument, which a checkpoint keeps until its backward (torch.utils.checkpoint):
+        # one per encoder, two per decoder (self and cross attention).
+        stacks = (1 if spec.num_encoder_layers else 0) + (2 if spec.kind == "encoder-decoder" else 1)
+        embedding += stacks * b * spec.num_attention_heads * plan.seq_len ** 2 * num.weight_itemsize
     return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
                            backward_peak_bytes=backward_peak, embedding_bytes=embedding)
 

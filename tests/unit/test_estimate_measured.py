@@ -23,9 +23,6 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements.json
 TOLERANCE = 0.05
 # Rows with a wider, stated tolerance and why (each is a known gap of the model, not noise).
 KNOWN_GAPS: dict[str, float] = {
-    # T5 under checkpointing: the recomputed decoder block (with cross-attention) is larger than the mean
-    # block the phase walk recomputes, and the CPU math path's s^2 gradients are fp32 (measured -14.8 %).
-    "t5-bf16-sdpa-ckpt": 0.16,
     # ZeRO-3 + CPU offload under-counted by 5.1 % once the tape stopped adding an attention-output copy
     # that SDPA does not make (the row was at -3.7 % with it): DeepSpeed's offload buffers (issue #9).
     "ds-z3-bf16-offload": 0.06,
