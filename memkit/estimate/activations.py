@@ -165,7 +165,8 @@ class _BlockReplay:
         elif math:
             self.uses_scores = True
             out = tape.sdpa_math(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
-                                 dropout=spec.attention_dropout > 0, out_numel=q_numel)
+                                 dropout=spec.attention_dropout > 0, out_numel=q_numel, q_numel=q_numel,
+                                 kv_numel=kv_numel)
         else:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).

@@ -175,7 +175,7 @@ class Tape:
         return out
 
     def sdpa_math(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int, dropout: bool,
-                  out_numel: int) -> Sym:
+                  out_numel: int, q_numel: int, kv_numel: int) -> Sym:
         """SDPA's math fallback (aten/src/ATen/native/transformers/attention.cpp,
         _scaled_dot_product_attention_math): q*sqrt(scale) and k^T*sqrt(scale) are new tensors that
         matmul's reshape copies at full head count (a broadcast K/V head is expanded), softmax saves its
@@ -184,13 +184,16 @@ class Tape:
         if self.autocast:
             q = self.cast(q, self.autocast)
         size = 4 if (self.device == "cpu" and q.itemsize == 2) else q.itemsize
-        per_head = Sym(q.numel, size, True)
-        self.save(per_head, Sym(q.numel, size, True))              # q scaled, k^T scaled (expanded)
+        # A broadcast K/V head folds into matmul's batch without a copy when the micro batch is 1
+        # (the stride-0 head dim merges with a size-1 batch dim); otherwise reshape copies it per head.
+        # (q, k, v may be views of a fused projection: sizes are per head, q_numel / kv_numel.)
+        kv_numel = q_numel if tokens > seq_len else kv_numel
+        self.save(Sym(q_numel, size, True), Sym(kv_numel, size, True))  # q scaled, k^T scaled
         probs = Sym(heads * tokens * seq_len, size, True)
         self.save(probs)                                            # softmax output
         if dropout:
             probs = self.dropout(probs)
-        self.save(probs, Sym(q.numel, size, True))                  # matmul(probs, v expanded)
+        self.save(probs, Sym(kv_numel, size, True))                 # matmul(probs, v)
         return Sym(out_numel, q.itemsize, True)
 
     def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
