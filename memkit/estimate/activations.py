@@ -264,7 +264,7 @@ class _BlockReplay:
         y = self.norm(x)
         if spec.parallel_attn_mlp:  # Falcon/Phi-2/GPT-J: attn and MLP read the same normed input
             a = self.dropout(self.attention(y), spec.hidden_dropout)
-            m = self.dropout(self.mlp(y), spec.hidden_dropout)
+            m = self.dropout(self.mlp(self.norm(x) if spec.block.parallel_norms == 2 else y), spec.hidden_dropout)
             return tape.add(tape.add(a, m), x)
         a = self.attention(y)
         if spec.block.norm_placement == "sandwich":

@@ -526,7 +526,7 @@ def _falcon(c):
         position_embedding="alibi" if alibi else "rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
         # FalconAttention (sdpa branch): multi-query passes one K/V head to SDPA without enable_gqa.
-        block=Block(sdpa_kv_broadcast=not new_arch and multi_query),
+        block=Block(sdpa_kv_broadcast=not new_arch and multi_query, parallel_norms=n_ln if parallel else 1),
         parallel_attn_mlp=parallel, layer_linears=linears, embedding_params=vocab * h,
         layer_params=_sum(linears) + n_ln * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
 
@@ -549,7 +549,9 @@ def _gpt_neox(c):
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
         # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the block input (GPTNeoXLayer.forward)
         parallel_attn_mlp=c.flag("use_parallel_residual", True), layer_linears=linears,
-        block=Block(softmax_fp32=True),  # gpt_neox/modeling_gpt_neox.py eager: softmax(..., dtype=float32)
+        # gpt_neox/modeling_gpt_neox.py: eager softmax(..., dtype=float32); parallel residual x + attn(ln1(x))
+        # + mlp(ln2(x)), two norms of the same input
+        block=Block(softmax_fp32=True, parallel_norms=2),
         embedding_params=vocab * h, layer_params=_sum(linears) + 2 * 2 * h,
         head_params=2 * h + (0 if tie else vocab * h))
 

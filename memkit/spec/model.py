@@ -47,6 +47,9 @@ class Block:
     """Eager attention calls softmax(..., dtype=float32) (Llama-style) rather than in the scores' dtype."""
     sdpa: bool = True
     """transformers has an SDPA path for the family (Gemma 2 and BLOOM in transformers 5 do not)."""
+    parallel_norms: int = 1
+    """With parallel attention/MLP: 1 = both read one norm's output (Phi, Falcon-7B), 2 = each has
+    its own norm of the block input (GPT-NeoX ln1/ln2, Falcon new architecture)."""
     sdpa_kv_broadcast: bool = False
     """SDPA gets fewer K/V heads than query heads without enable_gqa (Falcon multi-query): no fused
     kernel takes that, so SDPA runs its math path and keeps the attention matrix."""

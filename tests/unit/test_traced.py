@@ -147,8 +147,6 @@ for _name, _entry in model_catalog().items():
 # Measured at micro 1 x seq 512 (transformers 5.24, torch 2.13); the golden CPU rows of these
 # families are within 5 % all the same (their peaks are not dominated by the gap).
 KNOWN_TAPE_GAPS: dict[str, tuple[float, float]] = {
-    # GPT-NeoX partial rotary: q/k keep a rotary and a pass-through part the tape prices as one tensor.
-    "gpt_neox-fp32": (0.92, 0.97),
     # T5: tensors around the decoder's cross-attention over the encoder output and the position bias
     # that the tape does not replay.
     "t5-fp32": (0.84, 0.90), "t5-bf16": (0.82, 0.88),
