@@ -178,7 +178,7 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     notes += [note] if note else []
     # fake=False runs real CPU tensors: the same accounting on a real step (tests check one with the other).
     with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
-            _fallback_grouped_mm(), _unpacked_batch():
+            _traceable_grouped_mm(), _unpacked_batch():
         _materialise(model)
         model.train()
         recorder = _Recorder(model)
@@ -300,7 +300,7 @@ def _unpacked_batch():
     return _patched("transformers.masking_utils", "find_packed_sequence_indices", lambda *a, **k: None)
 
 
-def _fallback_grouped_mm():
+def _traceable_grouped_mm():
     """MoE experts in transformers 5 run torch's grouped_mm (transformers/integrations/moe.py,
     _grouped_mm), whose fake (meta) kernel accepts bf16 only. The trace swaps in an op of the same
     shapes and dtype that saves what a matmul's autograd saves: the input if the weight needs grad,
@@ -324,6 +324,23 @@ def _fallback_grouped_mm():
     return _patched("transformers.integrations.moe", "_grouped_mm", grouped_mm)
 
 
+def _fused_on_cuda(args, kwargs) -> bool:
+    """Whether CUDA would run this SDPA call on a fused kernel: not with a mask that needs grad (T5's
+    position bias) nor with fewer K/V heads than query heads without enable_gqa (Falcon multi-query);
+    those take the math path, which applies dropout itself (the fused kernels' input checks:
+    aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)."""
+    names = ("query", "key", "value", "attn_mask")
+    got = dict(zip(names, args))
+    got.update({k: v for k, v in kwargs.items() if k in names})
+    q, k, mask = got.get("query"), got.get("key"), got.get("attn_mask")
+    if mask is not None and getattr(mask, "requires_grad", False):
+        return False
+    if q is not None and k is not None and q.dim() == 4 and k.shape[1] != q.shape[1] \
+            and not kwargs.get("enable_gqa", False):
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _sdpa_without_dropout(active: bool):
     """CUDA pricing: SDPA's flash kernel takes dropout and saves what it saves without it (module doc)."""
@@ -338,12 +355,11 @@ def _sdpa_without_dropout(active: bool):
     class _Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
-            if func is sdpa:
+            if func is sdpa and _fused_on_cuda(args, kwargs):  # (query, key, value, attn_mask, dropout_p, ...)
                 if len(args) > 4:
-                    args = args[:4] + (0.0,) + args[5:]
-                kwargs["dropout_p"] = 0.0 if len(args) <= 4 else kwargs.get("dropout_p", 0.0)
-                if len(args) > 4:
-                    kwargs.pop("dropout_p")
+                    args = (*args[:4], 0.0, *args[5:])
+                else:
+                    kwargs["dropout_p"] = 0.0
             return func(*args, **kwargs)
 
     with _Mode():
