@@ -44,8 +44,40 @@ ARCHS: dict[str, dict] = {
                  "max_position_embeddings": 512, "rotary_pct": 0.25, "tie_word_embeddings": False,
                  "bos_token_id": 0, "eos_token_id": 0},
 }
+# Families added with the traced path (issue #14): the same tiny shape, each family's own keys.
+_TINY = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 2000, "max_position_embeddings": 512,
+         "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+_MOE = {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2}
+ARCHS.update({
+    "olmo": {"model_type": "olmo", **_TINY},
+    "olmo2": {"model_type": "olmo2", **_TINY},
+    "cohere": {"model_type": "cohere", **_TINY},
+    "starcoder2": {"model_type": "starcoder2", **_TINY},
+    "stablelm": {"model_type": "stablelm", **_TINY},
+    "granite": {"model_type": "granite", **_TINY},
+    "qwen3-moe": {"model_type": "qwen3_moe", **_TINY, **_MOE},
+    "qwen2-moe": {"model_type": "qwen2_moe", **_TINY, **_MOE, "shared_expert_intermediate_size": 256},
+    "gptj": {"model_type": "gptj", "n_embd": 256, "n_layer": 4, "n_head": 8, "rotary_dim": 16, "n_positions": 512,
+             "vocab_size": 2000, "bos_token_id": 0, "eos_token_id": 0},
+    "gpt-bigcode": {"model_type": "gpt_bigcode", "n_embd": 256, "n_layer": 4, "n_head": 8, "n_positions": 512,
+                    "vocab_size": 2000, "bos_token_id": 0, "eos_token_id": 0},
+    "gemma2": {"model_type": "gemma2", **_TINY, "head_dim": 32},
+    "falcon-mqa": {"model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+                   "multi_query": True, "vocab_size": 2000, "bos_token_id": 0, "eos_token_id": 0},
+    "bloom": {"model_type": "bloom", "hidden_size": 256, "n_layer": 4, "n_head": 8, "vocab_size": 2000,
+              "bos_token_id": 0, "eos_token_id": 0},
+    "opt": {"model_type": "opt", "hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 4,
+            "num_attention_heads": 8, "vocab_size": 2000, "max_position_embeddings": 512, "word_embed_proj_dim": 256,
+            "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1},
+    "t5": {"model_type": "t5", "d_model": 256, "d_ff": 1024, "d_kv": 32, "num_layers": 2, "num_heads": 8,
+           "vocab_size": 2000, "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1},
+})
 LORA_TARGETS = {"llama-gqa": ("q_proj", "v_proj"), "gpt2": ("c_attn",), "qwen2": ("q_proj", "v_proj"),
                 "gpt-neox": ("query_key_value",)}
+NO_SDPA = ("gemma2", "bloom")  # transformers 5 refuses attn_implementation="sdpa" for them
+TRACED_FAMILIES = ("olmo", "olmo2", "cohere", "starcoder2", "stablelm", "granite", "qwen3-moe", "qwen2-moe",
+                   "gptj", "gpt-bigcode", "gemma2", "falcon-mqa", "bloom", "opt", "t5")
 
 BASE = TrainingPlan(engine="torch", precision="fp32", attention="sdpa", micro_batch_size=2, seq_len=256)
 
@@ -90,7 +122,16 @@ SINGLE_ROWS = [
     _single("neox-fp32-sdpa", "gpt-neox"),
     _single("neox-bf16-eager-ckpt", "gpt-neox", precision="bf16", attention="eager", checkpointing="full"),
     _single("neox-bf16pure-sdpa-lora8", "gpt-neox", precision="bf16-pure", lora_rank=8),
-]
+] + [row for arch in TRACED_FAMILIES for att in ["eager" if arch in NO_SDPA else "sdpa"] for row in (
+    _single(f"{arch}-fp32-{att}", arch, attention=att),
+    _single(f"{arch}-bf16-{att}", arch, precision="bf16", attention=att),
+    _single(f"{arch}-bf16-{att}-ckpt", arch, precision="bf16", checkpointing="full", attention=att))] + [
+    # LoRA through the traced path (peft applied to the traced module)
+    _single("olmo2-fp32-sdpa-lora8", "olmo2", lora_rank=8, lora_targets=("q_proj", "v_proj")),
+    _single("qwen3-moe-bf16-sdpa-lora8", "qwen3-moe", precision="bf16", lora_rank=8,
+            lora_targets=("q_proj", "v_proj")),
+    _single("gptj-bf16pure-sdpa-lora8", "gptj", precision="bf16-pure", lora_rank=8,
+            lora_targets=("q_proj", "v_proj"))]
 
 # DeepSpeed: 2 ranks, small buckets so they matter without dominating (elements, not bytes).
 DS_BASE = TrainingPlan(engine="deepspeed", precision="bf16", attention="sdpa", micro_batch_size=2, seq_len=256,

@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stack", default="", metavar="PKG=VER,...",
                    help="plan for another software stack, e.g. transformers=4.40,torch=2.3 "
                         "(default: the versions installed here)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="price a step on this device (default cuda); cpu: the same loop run on the CPU, as "
+                        "tests/golden/cpu_measurements.json measures it (no CUDA context or allocator cache); "
+                        "without --gpu the device memory is the host RAM")
 
 
 def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
@@ -47,14 +51,20 @@ def run(args: argparse.Namespace) -> int:
     from memkit.spec.stack import parse_stack
 
     model = load_model_spec(args.model)
+    if args.device == "cpu" and not (args.gpu or args.gpu_memory):  # a CPU run's memory is the host's RAM
+        args.gpu_memory = args.host_ram or "64GiB"
     hardware = hardware_from_args(args)
     plan = plan_from_args(args, model, hardware)
     stack = parse_stack(args.stack)
-    est = estimate_memory(model, plan, hardware, stack=stack)
-    # a CPU estimate (`--device cpu`, where the CLI has it) is calibrated by CPU verify runs
-    device_key = "cpu" if getattr(args, "device", "cuda") == "cpu" else hardware.gpu.name
+    est = estimate_memory(model, plan, hardware, device=args.device, stack=stack)
+    # a CPU estimate (`--device cpu`) is calibrated by CPU verify runs
+    device_key = "cpu" if args.device == "cpu" else hardware.gpu.name
     est = _calibrated(est, plan, device_key, stack)
     speed = _step_time(model, plan, hardware)
+    from memkit.estimate.activations import activation_source
+
+    approximations = model.approximations + ((activation_source(model, plan, device=args.device),)
+                                             if model.traced else ())
     if args.plot:
         from memkit.plot import plot_estimates
         plot_estimates([("plan", est)], path=args.plot)
@@ -65,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         out["plan"] = plan.to_dict()
         out["stack"] = stack.to_dict()
         out["step_time"] = speed.to_dict()
+        out["device"] = args.device
+        out["approximations"] = list(approximations)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -77,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
     print(render_breakdown(est, title=title))
+    for line in approximations:
+        print(f"  approximated: {line}")
     gib = 1024 ** 3
     print(f"upper bound (+{est.upper_margin:.0%}, {est.upper_basis}): allocated "
           f"{est.allocated_peak_upper_bytes / gib:.2f}, reserved {est.reserved_peak_upper_bytes / gib:.2f}, "

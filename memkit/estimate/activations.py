@@ -13,6 +13,7 @@ hidden-sized ones whole (Korthikanti et al. 2022, Table 2, "tensor parallel" row
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from memkit.estimate.tape import Sym, Tape
@@ -21,13 +22,9 @@ from memkit.spec.model import Linear, ModelSpec
 
 # Activations written in Python rather than as one aten kernel (transformers/activations.py):
 # they save several intermediates. Value: how many extra tensors of the input's size they keep.
-_PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "bloom_gelu", "gelu_accurate"}
-_GEMMA_NORM = {"gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma"}
-_SANDWICH_NORM = {"gemma2", "gemma3", "gemma3_text"}
-_QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"}
-_POST_NORM = {"bert", "roberta", "xlm-roberta", "distilbert", "electra"}
-_SOFTMAX_IN_FP32 = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-                    "gemma2", "gemma3", "gemma3_text", "phi3", "phi", "olmo2", "stablelm", "gpt_neox"}
+# Not bloom_gelu: bloom/modeling_bloom.py wraps it in a torch.autograd.Function (GeLUFunction)
+# whose ctx saves only the input, like aten's gelu.
+_PYTHON_GELU = {"gelu_new", "gelu_fast", "quick_gelu", "gelu_accurate"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +85,7 @@ class _BlockReplay:
         # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
         self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
         self.uses_scores = False  # set when the block keeps s^2 attention probabilities
+        self.cross = False  # a decoder block of an encoder-decoder model (cross-attention)
 
     # -- pieces ---------------------------------------------------------------
     def norm(self, x: Sym) -> Sym:
@@ -95,7 +93,7 @@ class _BlockReplay:
         h = spec.hidden_size
         if spec.norm_type == "layernorm":
             return tape.layer_norm(x)
-        if spec.model_type in _GEMMA_NORM:
+        if spec.block.rms_norm == "gemma":
             return tape.rms_norm_gemma(x, h, weight_grad=self.train_weights)
         return tape.rms_norm_llama(x, h, weight_grad=self.train_weights,
                                    weight_itemsize=self.num.weight_itemsize)
@@ -123,7 +121,13 @@ class _BlockReplay:
         # SDPA with attention dropout has no fused CPU kernel: aten falls back to the math
         # path, which keeps the probabilities like eager (aten/src/ATen/native/transformers/
         # attention.cpp, _fused_sdp_choice_cpp). CUDA's flash/efficient kernels take dropout.
-        eager = self.plan.attention == "eager" or (self.device == "cpu" and spec.attention_dropout > 0)
+        eager = self.plan.attention == "eager" or not spec.block.sdpa
+        # SDPA's math fallback: CPU has no fused kernel taking attention dropout (attention.cpp,
+        # _fused_sdp_choice_cpp), and no fused kernel takes K/V heads broadcast against more query
+        # heads without enable_gqa (Falcon multi-query).
+        # The same when the mask needs grad (T5's learned position bias: no fused backward for it).
+        math = not eager and ((self.device == "cpu" and spec.attention_dropout > 0) or spec.block.sdpa_kv_broadcast
+                              or spec.block.attn_bias_grad)
         if "qkv" in self.roles:
             # One fused projection split into strided views (GPT-2 c_attn, Phi-3 qkv_proj, Falcon,
             # BLOOM, GPT-NeoX query_key_value); rope writes new q and k; v stays a view.
@@ -140,7 +144,7 @@ class _BlockReplay:
             q = self.proj(y, self.roles["q"], split=True)
             k = self.proj(y, self.roles["k"], split=True)
             v = self.proj(y, self.roles["v"], split=True)
-            if spec.model_type in _QK_NORM:  # Qwen3/Gemma3 q_norm, k_norm over head_dim
+            if spec.block.qk_norm:  # Qwen3/Gemma3 q_norm, k_norm over head_dim
                 self.tape.region("norms")
                 q = self.tape.rms_norm_llama(q, d, weight_grad=self.train_weights,
                                              weight_itemsize=self.num.weight_itemsize)
@@ -156,13 +160,28 @@ class _BlockReplay:
                 k, v = Sym(q_numel, k.itemsize), Sym(q_numel, v.itemsize)
             out = tape.eager_attention(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
                                        dropout=spec.attention_dropout > 0,
-                                       softmax_fp32=spec.model_type in _SOFTMAX_IN_FP32,
+                                       softmax_fp32=spec.block.softmax_fp32, softcap=spec.block.attn_softcap,
                                        out_numel=q_numel)
+        elif math:
+            self.uses_scores = True
+            out = tape.sdpa_math(q, k, v, heads=heads, tokens=t, seq_len=self.seq_len,
+                                 dropout=spec.attention_dropout > 0, out_numel=q_numel, q_numel=q_numel,
+                                 kv_numel=kv_numel)
         else:
             # SDPA (flash/efficient) and flash-attn 2 save q, k, v, out, lse; GQA runs natively
             # when there is no mask (transformers/integrations/sdpa_attention.py, use_gqa_in_sdpa).
             out = tape.sdpa(q, k, v, heads=heads, tokens=t, out_numel=q_numel)
-        out = tape.contiguous_copy(out)  # attn_output.transpose(1, 2).contiguous()
+        if not eager and not math and "qkv" not in self.roles and self.device == "cpu":
+            # attn_output.transpose(1, 2).contiguous() is a no-op here: CPU's flash kernel writes its
+            # output in (b, s, h, d) layout and returns a transposed view of it (aten/src/ATen/native/
+            # transformers/attention.cpp); o_proj saves that storage (traced and measured: the golden
+            # rows). On CUDA the copy is kept: the published per-layer figure (stas00/ml-engineering,
+            # 28.0 bsh x 2 bytes for Llama-3.1-8B) includes a tensor of that size.
+            self.tape.region("attention")
+            return self.proj(out, self.roles["o"], split=False)
+        # eager, and SDPA fed strided views of a fused projection (traced: the copy is there):
+        # attn_output.transpose(1, 2).contiguous() copies
+        out = tape.contiguous_copy(out)
         return self.proj(out, self.roles["o"], split=False)
 
     def moe(self, y: Sym) -> Sym:
@@ -175,14 +194,18 @@ class _BlockReplay:
         logits = self.proj(y, router, split=False)
         tape.save(Sym(logits.numel, 4, True))  # softmax(router_logits, dtype=float) output
         routed = self.tokens * spec.num_experts_per_tok
-        a = self.num.autocast or self.num.weight_itemsize
+        # The experts run torch's grouped_mm on input.to(weight.dtype), which autocast does not cover
+        # (transformers/integrations/moe.py, _grouped_mm): they compute in the weights' dtype.
+        a = self.num.weight_itemsize
         inter = spec.intermediate_size // self.tp
         x_sel = Sym(routed * spec.hidden_size, y.itemsize, True)  # hidden_states[token_idx]
         gate_up = Sym(routed * 2 * inter, a, True)
-        tape.save(self.tape._autocast_in(x_sel), gate_up)      # linear input; act/mul read the views
+        # grouped_mm saves its input only for the weight's grad: frozen (LoRA) experts keep none.
+        experts_train = self.train_weights
+        tape.save(*((self.tape.cast(x_sel, a), gate_up) if experts_train else (gate_up,)))  # act/mul read gate_up
         act_out = Sym(routed * inter, a, True)
         prod = Sym(routed * inter, a, True)
-        tape.save(act_out, prod)                                 # mul saves act_out; down saves prod
+        tape.save(*((act_out, prod) if experts_train else (act_out,)))  # mul saves act_out; down saves prod
         down = Sym(routed * spec.hidden_size, a, True)
         tape.save(down)                                          # * routing weight saves both
         return Sym(self.tokens * spec.hidden_size, y.itemsize, True)
@@ -207,6 +230,8 @@ class _BlockReplay:
         else:
             up = self.proj(y, self.roles["up"], split=True)
             h = self._activation(up, act)
+        if self.spec.block.ffn_dropout:  # T5DenseActDense: dropout between the activation and wo
+            h = self.dropout(h, self.spec.hidden_dropout)
         return self.proj(h, self.roles["down"], split=False)
 
     def _activation(self, x: Sym, act: str) -> Sym:
@@ -219,12 +244,19 @@ class _BlockReplay:
             one_plus = Sym(th.numel, th.itemsize, True)
             half_x = tape.scale(x)
             return tape.mul(half_x, one_plus)
+        if act == "relu":
+            # aten relu's backward reads its output (threshold_backward(grad, result, 0),
+            # tools/autograd/derivatives.yaml), the same tensor the next linear saves: counted once.
+            out = Sym(x.numel, x.itemsize, x.requires_grad)
+            if x.requires_grad:
+                tape.save(out)
+            return out
         return tape.act_saving_input(x)
 
     # -- the block -------------------------------------------------------------
     def run(self, x: Sym) -> Sym:
         spec, tape = self.spec, self.tape
-        if spec.model_type in _POST_NORM:  # BERT: LayerNorm(dropout(attn(x)) + x), same for the MLP
+        if spec.block.norm_placement == "post":  # BERT: LayerNorm(dropout(attn(x)) + x), same for the MLP
             a = self.dropout(self.attention(x), spec.hidden_dropout)
             h1 = tape.region("norms").layer_norm(tape.add(a, x))
             m = self.dropout(self.mlp(h1), spec.hidden_dropout)
@@ -232,25 +264,43 @@ class _BlockReplay:
         y = self.norm(x)
         if spec.parallel_attn_mlp:  # Falcon/Phi-2/GPT-J: attn and MLP read the same normed input
             a = self.dropout(self.attention(y), spec.hidden_dropout)
-            m = self.dropout(self.mlp(y), spec.hidden_dropout)
+            m = self.dropout(self.mlp(self.norm(x) if spec.block.parallel_norms == 2 else y), spec.hidden_dropout)
             return tape.add(tape.add(a, m), x)
         a = self.attention(y)
-        if spec.model_type in _SANDWICH_NORM:
+        if spec.block.norm_placement == "sandwich":
             a = self.norm(a)
         a = self.dropout(a, spec.hidden_dropout)
         h1 = tape.add(x, a)
+        if self.cross:  # T5 decoder: T5LayerCrossAttention, the same pre-norm residual around attention
+            # whose k/v read the encoder output (one tensor all decoder blocks share, priced once: no save)
+            h1 = tape.add(h1, self.dropout(self.attention(self.norm(h1)), spec.hidden_dropout))
         m = self.mlp(self.norm(h1))
-        if spec.model_type in _SANDWICH_NORM:
+        if spec.block.norm_placement == "sandwich":
             m = self.norm(m)
         m = self.dropout(m, spec.hidden_dropout)
         return tape.add(h1, m)
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
-                      encoder: bool = False, device: str = "cuda") -> BlockActivations:
-    """Saved bytes of one block for one micro-batch on one rank."""
+                      encoder: bool | None = None, device: str = "cuda") -> BlockActivations:
+    """Saved bytes of one block for one micro-batch on one rank. An encoder-decoder model's blocks
+    differ (the decoder's cross-attention): `encoder` picks one; None gives their mean over the model,
+    which the phase walk multiplies by the layer count."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
+    if encoder is None and spec.num_encoder_layers and not spec.traced:
+        enc, dec = (block_activations(spec, plan, micro_batch_size=b, encoder=e, device=device) for e in (True, False))
+        n_enc, n_dec, total = spec.num_encoder_layers, spec.num_layers, spec.total_layers
+
+        def mean(a: int, c: int) -> int:
+            return (a * n_enc + c * n_dec) // total
+
+        return BlockActivations(saved_bytes=mean(enc.saved_bytes, dec.saved_bytes), input_bytes=dec.input_bytes,
+                                backward_transient_bytes=max(enc.backward_transient_bytes,
+                                                             dec.backward_transient_bytes),
+                                by_label={k: mean(enc.by_label.get(k, 0), dec.by_label.get(k, 0))
+                                          for k in {**enc.by_label, **dec.by_label}})
+    encoder = bool(encoder)
     tokens = b * plan.seq_len
     linears = spec.encoder_layer_linears if encoder else spec.layer_linears
     if plan.sequence_parallel and plan.tp > 1:
@@ -262,10 +312,20 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
         return BlockActivations(saved_bytes=whole.saved_bytes // t, input_bytes=whole.input_bytes // t,
                                 backward_transient_bytes=whole.backward_transient_bytes // t,
                                 by_label={k: v // t for k, v in whole.by_label.items()})
-    replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
-    replay.run(x)
-    saved = replay.tape.saved_bytes
+    trace = _trace(spec, plan, b, device) if spec.traced else None
+    if spec.traced and trace is None:
+        return block_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
+    if trace is not None:  # any other architecture: what autograd saves in the HF module itself
+        # A (non-sequence-parallel) TP rank keeps the hidden-sized tensors whole and splits the
+        # rest; the trace does not tell them apart, so tp divides nothing (an upper bound).
+        saved, labels, uses_scores = trace.block_saved_bytes, {"traced": trace.block_saved_bytes}, \
+            trace.attention == "eager"
+    else:
+        replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
+        replay.cross = spec.kind == "encoder-decoder" and not encoder
+        replay.run(x)
+        saved, labels, uses_scores = replay.tape.saved_bytes, dict(replay.tape.labels), replay.uses_scores
     # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
     act = num.autocast or num.weight_itemsize
     widest = max(spec.intermediate_size // plan.tp * (2 if spec.gated_mlp else 1),
@@ -273,10 +333,44 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     # During a block's backward: grad of the hidden stream in and out, plus the gradients of the
     # widest intermediate (the gated MLP's gate/up pair) -- aten's mul/silu backward outputs.
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
-    if replay.uses_scores:  # grads of the probabilities and of the scores (softmax backward)
+    if uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
-                            backward_transient_bytes=transient, by_label=dict(replay.tape.labels))
+                            backward_transient_bytes=transient, by_label=labels)
+
+
+def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):
+    """The traced activations of `spec`, or None where its module cannot be traced (activation_source)."""
+    from memkit.estimate.traced import trace_plan  # lazy: torch only for traced models
+
+    try:
+        return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
+                          micro_batch_size=micro_batch_size, device=device)
+    except Exception:  # noqa: BLE001 -- any failure inside a foreign module: fall back, and say so
+        return None
+
+
+def activation_source(spec: ModelSpec, plan: TrainingPlan, *, device: str = "cuda") -> str:
+    """Where the activations of `spec` under `plan` come from, in words (the CLI prints it)."""
+    if not spec.traced:
+        return "hand-modelled tape"
+    trace = _trace(spec, plan, plan.micro_batch_size, device)
+    if trace is None:
+        return (f"the {spec.model_type} module could not be traced: activations priced as a Llama-style "
+                "block of the same sizes")
+    notes = "; ".join(trace.notes)
+    return f"traced from the transformers {spec.model_type} module" + (f" ({notes})" if notes else "")
+
+
+def _llama_equivalent(spec: ModelSpec) -> ModelSpec:
+    """A hand-modelled Llama block with `spec`'s sizes: the fallback when tracing fails."""
+    from memkit.spec.hf import spec_from_config
+
+    return spec_from_config({"model_type": "llama", "hidden_size": spec.hidden_size,
+                             "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
+                             "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim,
+                             "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+                             "max_position_embeddings": spec.max_position_embeddings}, name=spec.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,14 +401,17 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
                                backward_peak_bytes=whole.backward_peak_bytes // t,
                                embedding_bytes=whole.embedding_bytes // t)
     tokens = b * plan.seq_len
+    if spec.traced:
+        return _traced_head(spec, plan, b, tokens, device)
     tape = Tape(autocast=num.autocast, device=device)
     x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
-    if spec.kind != "encoder" or spec.model_type not in _POST_NORM:
+    post_norm = spec.block.norm_placement == "post"
+    if spec.kind != "encoder" or not post_norm:
         replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, spec.layer_linears, tp=1,
                               device=device)
         replay.tape = tape
         x = replay.norm(x)
-    if spec.model_type in _POST_NORM:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
+    if post_norm:  # BERT MLM head: dense -> gelu -> LayerNorm -> decoder
         tape.region("head")
         hdn = tape.linear(x, tokens * spec.hidden_size, weight_grad=not plan.is_lora,
                           weight_itemsize=num.weight_itemsize)
@@ -322,11 +419,39 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     tape.region("head")
     logits_itemsize = num.autocast or num.weight_itemsize
     tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
-    vocab_tokens = tokens * spec.vocab_size
+    saved = tape.saved_bytes + tokens * spec.vocab_size * 4  # + the fp32 log-probs log_softmax saves
+    if spec.block.final_softcap:  # Gemma 2: logits = tanh(logits / cap) * cap; tanh saves its output
+        saved += tokens * spec.vocab_size * logits_itemsize
+    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
+    embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
+    if spec.block.attn_bias_grad and plan.checkpointing == "full":
+        # T5Stack (t5/modeling_t5.py): block 0 returns the position bias (b, heads, s, s) and every block
+        # takes it as an argument, which a checkpoint keeps until its backward (torch.utils.checkpoint):
+        # one per encoder, two per decoder (self and cross attention).
+        stacks = (1 if spec.num_encoder_layers else 0) + (2 if spec.kind == "encoder-decoder" else 1)
+        embedding += stacks * b * spec.num_attention_heads * plan.seq_len ** 2 * num.weight_itemsize
+    return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
+                           backward_peak_bytes=backward_peak, embedding_bytes=embedding)
+
+
+def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, device: str) -> HeadActivations:
+    """The traced model's head and embedding regions (estimate/traced.py): the head's saved tensors
+    include the fp32 log-probs; the loss peaks are those of HF's loss (_loss_peaks)."""
+    trace = _trace(spec, plan, b, device)
+    if trace is None:
+        return head_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
+    num = numerics(plan)
+    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, num.autocast or num.weight_itemsize)
+    # The batch's input_ids are saved by the embedding (traced); labels live beside them (int64).
+    return HeadActivations(saved_bytes=trace.head_saved_bytes, forward_peak_bytes=forward_peak,
+                           backward_peak_bytes=backward_peak,
+                           embedding_bytes=trace.embedding_saved_bytes + tokens * 8)
+
+
+def _loss_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:
+    """Forward and backward peaks of HF's ForCausalLMLoss beyond its saved log-probs."""
     logits = vocab_tokens * logits_itemsize
-    log_probs = vocab_tokens * 4              # log_softmax output, fp32, saved for backward
     fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4  # logits.float()
-    saved = tape.saved_bytes + log_probs
     # Forward: the logits, their fp32 copy and the log-probs coexist inside cross_entropy. The
     # logits are not saved by anything; a loop that drops the model output before backward (HF
     # Trainer, memkit's runner) frees them.
@@ -334,6 +459,4 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     # Backward of nll_loss + log_softmax: grad wrt the log-probs and grad wrt the fp32 logits
     # coexist with the saved log-probs (aten _log_softmax_backward_data allocates its output).
     backward_peak = 2 * vocab_tokens * 4
-    embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
-    return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
-                           backward_peak_bytes=backward_peak, embedding_bytes=embedding)
+    return forward_peak, backward_peak

@@ -201,7 +201,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         # (torch/csrc/autograd/autocast_mode.cpp, cached_cast); the matmuls save them for backward.
         autocast_copy = num.autocast * sum(
             lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
-            for lin in model.layer_linears)
+            for lin in model.layer_linears  # MoE experts' grouped_mm is not autocast (transformers moe.py)
+            if not lin.role.startswith("expert"))
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last else 0
     in_flight = _in_flight(plan, stage)
     ckpt = plan.checkpointing == "full"

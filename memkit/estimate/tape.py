@@ -174,8 +174,30 @@ class Tape:
         self.save(q, k, v, out, Sym(heads * tokens, 4, False))
         return out
 
+    def sdpa_math(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int, dropout: bool,
+                  out_numel: int, q_numel: int, kv_numel: int) -> Sym:
+        """SDPA's math fallback (aten/src/ATen/native/transformers/attention.cpp,
+        _scaled_dot_product_attention_math): q*sqrt(scale) and k^T*sqrt(scale) are new tensors that
+        matmul's reshape copies at full head count (a broadcast K/V head is expanded), softmax saves its
+        output, then dropout and matmul with v (expanded likewise). On CPU, 16-bit inputs are upcast to
+        fp32 first and the output cast back."""
+        if self.autocast:
+            q = self.cast(q, self.autocast)
+        size = 4 if (self.device == "cpu" and q.itemsize == 2) else q.itemsize
+        # A broadcast K/V head folds into matmul's batch without a copy when the micro batch is 1
+        # (the stride-0 head dim merges with a size-1 batch dim); otherwise reshape copies it per head.
+        # (q, k, v may be views of a fused projection: sizes are per head, q_numel / kv_numel.)
+        kv_numel = q_numel if tokens > seq_len else kv_numel
+        self.save(Sym(q_numel, size, True), Sym(kv_numel, size, True))  # q scaled, k^T scaled
+        probs = Sym(heads * tokens * seq_len, size, True)
+        self.save(probs)                                            # softmax output
+        if dropout:
+            probs = self.dropout(probs)
+        self.save(probs, Sym(kv_numel, size, True))                 # matmul(probs, v)
+        return Sym(out_numel, q.itemsize, True)
+
     def eager_attention(self, q: Sym, k: Sym, v: Sym, *, heads: int, tokens: int, seq_len: int,
-                        dropout: bool, softmax_fp32: bool, out_numel: int) -> Sym:
+                        dropout: bool, softmax_fp32: bool, out_numel: int, softcap: bool = False) -> Sym:
         """transformers eager_attention_forward: softmax(q k^T * scale + mask).to(v) @ v; Llama-style
         models ask softmax for fp32, GPT-2/BERT-style ones run it in the scores' dtype (autocast: fp32).
         torch.matmul flattens batch dims with reshape, so q/k/v given as strided views of a fused
@@ -184,6 +206,8 @@ class Tape:
             q, k, v = (self.cast(t, self.autocast) for t in (q, k, v))
         self.save(q, k)  # matmul(q, k^T)
         numel = heads * tokens * seq_len
+        if softcap:  # Gemma 2 (gemma2/modeling_gemma2.py): tanh(scores / cap) * cap; tanh saves its output
+            self.tanh(Sym(numel, q.itemsize, True))
         probs_raw = Sym(numel, 4 if softmax_fp32 else self._fp32_op(q).itemsize, True)
         self.save(probs_raw)  # softmax saves its output
         probs = self.cast(probs_raw, q.itemsize)

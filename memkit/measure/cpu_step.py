@@ -52,13 +52,16 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
                 checkpoint_reentrant: bool = False):
     """Model as `plan` trains it: dtype, attention kernel, checkpointing, LoRA. Seeded."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
+
+    from memkit.estimate.traced import auto_class_for
 
     torch.manual_seed(seed)
     config = build_config(model_config)
     config.use_cache = False
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention, dtype=dtype)
+    auto = getattr(transformers, auto_class_for(config))  # causal LM, else seq2seq (T5), else masked LM
+    model = auto.from_config(config, attn_implementation=plan.attention, dtype=dtype)
     model.train()
     if plan.checkpointing == "full":
         kwargs = {"use_reentrant": checkpoint_reentrant}
@@ -70,7 +73,8 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                          target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
+                          target_modules=list(plan.lora_targets),
+                          task_type="SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM")
         model = get_peft_model(model, lora)
     return model
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from memkit.errors import MemkitError, did_you_mean
 from memkit.presets_dir import presets_dir
-from memkit.spec.model import Linear, ModelSpec
+from memkit.spec.model import Block, Linear, ModelSpec
 
 
 # ---------------------------------------------------------------- the bundled catalog
@@ -207,7 +207,7 @@ def _common(c: _Cfg, **fields) -> dict:
 
 def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=None, head_dim_default=None,
                 q_bias=False, o_bias=False, mlp_bias=False, norms_per_block=2, qk_norm=False, fused=False,
-                experts=0, top_k=0, extra=None) -> dict:
+                experts=0, top_k=0, extra=None, block=None) -> dict:
     """Llama-style pre-norm decoder block: RMSNorm(H) weights only, attention, (gated) MLP.
 
     llama: transformers/models/llama/modeling_llama.py (LlamaAttention, LlamaMLP, LlamaDecoderLayer).
@@ -239,7 +239,17 @@ def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=No
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=0.0,
         num_experts=experts, num_experts_per_tok=top_k, tie_word_embeddings=tie, layer_linears=linears,
         embedding_params=vocab * h, layer_params=_sum(linears) + norms,
-        head_params=h + (0 if tie else vocab * h), extra=extra or {})
+        head_params=h + (0 if tie else vocab * h), extra=extra or {},
+        # eager_attention_forward in every Llama-style modeling file: softmax(..., dtype=torch.float32)
+        block=block or Block(softmax_fp32=True, qk_norm=qk_norm))
+
+
+def llama_like_fields(config: dict, source: str) -> dict:
+    """A Llama-style block from a config's sizes (the remote-code fallback of spec/generic.py)."""
+    c = _Cfg(config, source)
+    return _llama_like(c, architecture=str((config.get("architectures") or ["?"])[0]),
+                       hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=bool(c.get("tie_word_embeddings", default=False)))
 
 
 def _llama(c):
@@ -289,7 +299,8 @@ def _gemma(c):
     # gemma/modeling_gemma.py: Llama block, tied embeddings by default, head_dim default 256.
     bias = c.flag("attention_bias", False)
     return _llama_like(c, architecture="GemmaForCausalLM", hidden_act=_gemma_act(c, "hidden_act"),
-                       tie_default=True, kv_default=16, head_dim_default=256, q_bias=bias, o_bias=bias)
+                       tie_default=True, kv_default=16, head_dim_default=256, q_bias=bias, o_bias=bias,
+                       block=Block(softmax_fp32=True, rms_norm="gemma"))
 
 
 def _gemma2(c):
@@ -297,7 +308,12 @@ def _gemma2(c):
     bias = c.flag("attention_bias", False)
     return _llama_like(c, architecture="Gemma2ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
                        tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
-                       norms_per_block=4, extra={"query_pre_attn_scalar": c.get("query_pre_attn_scalar")})
+                       norms_per_block=4, extra={"query_pre_attn_scalar": c.get("query_pre_attn_scalar")},
+                       # Gemma2Attention: no SDPA path in transformers 5 (_supports_sdpa False); scores and
+                       # final logits soft-capped with tanh (Gemma 2 report, Sec. 2) unless the cap is null.
+                       block=Block(softmax_fp32=True, rms_norm="gemma", norm_placement="sandwich", sdpa=False,
+                                   attn_softcap=c.data.get("attn_logit_softcapping", 50.0) is not None,
+                                   final_softcap=c.data.get("final_logit_softcapping", 30.0) is not None))
 
 
 def _gemma3_text(c):
@@ -306,7 +322,10 @@ def _gemma3_text(c):
     return _llama_like(c, architecture="Gemma3ForCausalLM", hidden_act=_gemma_act(c, "hidden_activation"),
                        tie_default=True, kv_default=4, head_dim_default=256, q_bias=bias, o_bias=bias,
                        norms_per_block=4, qk_norm=True,
-                       extra={"sliding_window_pattern": c.get("sliding_window_pattern", default=6)})
+                       extra={"sliding_window_pattern": c.get("sliding_window_pattern", default=6)},
+                       block=Block(softmax_fp32=True, rms_norm="gemma", norm_placement="sandwich", qk_norm=True,
+                                   attn_softcap=c.get("attn_logit_softcapping") is not None,
+                                   final_softcap=c.get("final_logit_softcapping") is not None))
 
 
 def _phi3(c):
@@ -338,6 +357,7 @@ def _phi(c):
         hidden_act=c.get("hidden_act", default="gelu_new"), gated_mlp=False, norm_type="layernorm",
         position_embedding="rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("resid_pdrop", 0.0), tie_word_embeddings=tie, parallel_attn_mlp=True,
+        block=Block(softmax_fp32=True),  # phi/modeling_phi.py eager: softmax(..., dtype=torch.float32)
         layer_linears=linears, embedding_params=vocab * h, layer_params=_sum(linears) + 2 * h + qk_norm,
         head_params=head, extra={"embedding_dropout": c.num("embd_pdrop", 0.0)})
 
@@ -405,6 +425,8 @@ def _bloom(c):
         num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=4 * h,
         vocab_size=vocab, max_position_embeddings=c.pos_int("seq_length", 2048, "max_position_embeddings"),
         hidden_act="bloom_gelu", gated_mlp=False, norm_type="layernorm", position_embedding="alibi",
+        # BloomAttention: no SDPA path in transformers 5; softmax(..., dtype=torch.float32).to(input_dtype)
+        block=Block(sdpa=False, softmax_fp32=True),
         attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
         tie_word_embeddings=tie, layer_linears=linears, embedding_params=vocab * h + 2 * h,
         layer_params=_sum(linears) + 2 * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
@@ -439,6 +461,8 @@ def _falcon(c):
         hidden_act=c.get("activation", default="gelu"), gated_mlp=False, norm_type="layernorm",
         position_embedding="alibi" if alibi else "rope", attention_dropout=c.num("attention_dropout", 0.0),
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
+        # FalconAttention (sdpa branch): multi-query passes one K/V head to SDPA without enable_gqa.
+        block=Block(sdpa_kv_broadcast=not new_arch and multi_query, parallel_norms=n_ln if parallel else 1),
         parallel_attn_mlp=parallel, layer_linears=linears, embedding_params=vocab * h,
         layer_params=_sum(linears) + n_ln * 2 * h, head_params=2 * h + (0 if tie else vocab * h))
 
@@ -461,6 +485,9 @@ def _gpt_neox(c):
         hidden_dropout=c.num("hidden_dropout", 0.0), tie_word_embeddings=tie,
         # x + attn(ln1(x)) + mlp(ln2(x)): both branches read the block input (GPTNeoXLayer.forward)
         parallel_attn_mlp=c.flag("use_parallel_residual", True), layer_linears=linears,
+        # gpt_neox/modeling_gpt_neox.py: eager softmax(..., dtype=float32); parallel residual x + attn(ln1(x))
+        # + mlp(ln2(x)), two norms of the same input
+        block=Block(softmax_fp32=True, parallel_norms=2),
         embedding_params=vocab * h, layer_params=_sum(linears) + 2 * 2 * h,
         head_params=2 * h + (0 if tie else vocab * h))
 
@@ -489,7 +516,7 @@ def _bert_like(c, *, architecture):
         vocab_size=vocab, max_position_embeddings=n_pos, hidden_act=c.get("hidden_act", default="gelu"),
         gated_mlp=False, norm_type="layernorm", position_embedding="learned",
         attention_dropout=c.num("attention_probs_dropout_prob", 0.1), hidden_dropout=c.num("hidden_dropout_prob", 0.1),
-        tie_word_embeddings=tie, layer_linears=linears,
+        tie_word_embeddings=tie, layer_linears=linears, block=Block(norm_placement="post"),
         embedding_params=vocab * h + n_pos * h + n_types * h + 2 * h,  # word, position, token type, LayerNorm
         layer_params=_sum(linears) + 2 * 2 * h, head_params=head)
 
@@ -535,6 +562,9 @@ def _t5(c):
         head_dim=hd, intermediate_size=d_ff, vocab_size=vocab,
         max_position_embeddings=c.pos_int("n_positions", 512), hidden_act=act, gated_mlp=gated, norm_type="rmsnorm",
         position_embedding="relative", attention_dropout=dropout, hidden_dropout=dropout, tie_word_embeddings=tie,
+        # t5/modeling_t5.py: the position bias (an nn.Embedding) is added to the scores as SDPA's mask;
+        # T5DenseActDense / T5DenseGatedActDense drop out before wo.
+        block=Block(attn_bias_grad=True, ffn_dropout=True),
         layer_linears=dec, encoder_layer_linears=enc,
         embedding_params=vocab * h + 2 * buckets * n_heads,
         layer_params=_sum(dec) + 3 * h, encoder_layer_params=_sum(enc) + 2 * h,
@@ -566,9 +596,13 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
                           "its text_config (model_type gemma3_text) as a config.json and pass that")
     family = _FAMILIES.get(model_type)
     if family is None:
-        raise MemkitError(f"{source}: model_type {model_type!r} is not supported"
-                          f"{did_you_mean(model_type, _FAMILIES)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    fields = family(_Cfg(config, source))
+        # Not modelled by hand: sizes from transformers' config class, counts from a meta-device build,
+        # activations traced from the module itself (spec/generic.py, estimate/traced.py).
+        from memkit.spec.generic import generic_fields
+
+        fields = generic_fields(config, source)
+    else:
+        fields = family(_Cfg(config, source))
     num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
                   + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)
                   + fields["head_params"])

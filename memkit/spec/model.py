@@ -32,6 +32,39 @@ class Linear:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Block:
+    """How one block computes, as far as what autograd saves depends on it (set by spec/hf.py from the
+    family's modeling file; the activation tape reads these instead of model_type names)."""
+
+    norm_placement: str = "pre"
+    """'pre' (Llama, GPT-2), 'post' (BERT: LayerNorm after each residual add) or 'sandwich'
+    (Gemma 2/3: a norm before and after attention and MLP)."""
+    rms_norm: str = "llama"
+    """RMSNorm form: 'llama' (weight * normed.to(dtype)) or 'gemma' ((normed * (1 + weight)).type_as(x))."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k (Qwen3, Gemma 3, OLMo 2)."""
+    softmax_fp32: bool = False
+    """Eager attention calls softmax(..., dtype=float32) (Llama-style) rather than in the scores' dtype."""
+    sdpa: bool = True
+    """transformers has an SDPA path for the family (Gemma 2 and BLOOM in transformers 5 do not)."""
+    parallel_norms: int = 1
+    """With parallel attention/MLP: 1 = both read one norm's output (Phi, Falcon-7B), 2 = each has
+    its own norm of the block input (GPT-NeoX ln1/ln2, Falcon new architecture)."""
+    sdpa_kv_broadcast: bool = False
+    """SDPA gets fewer K/V heads than query heads without enable_gqa (Falcon multi-query): no fused
+    kernel takes that, so SDPA runs its math path and keeps the attention matrix."""
+    attn_bias_grad: bool = False
+    """The attention mask carries a learned bias that needs grad (T5's relative position bias): SDPA
+    has no fused backward for it and runs its math path."""
+    ffn_dropout: bool = False
+    """Dropout between the MLP activation and its down projection (T5DenseActDense)."""
+    attn_softcap: bool = False
+    """Gemma 2: scores / cap -> tanh -> * cap before the softmax (tanh saves its output)."""
+    final_softcap: bool = False
+    """Gemma 2: the same soft-capping on the final logits."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """A transformer as memkit sees it. Counts are `num_*` (STYLE.md, torchtitan)."""
 
@@ -70,6 +103,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     parallel_attn_mlp: bool = False
     """Attention and MLP read the same normed input (Falcon, GPT-J, Phi-2) instead of in sequence."""
+    block: Block = Block()
+    """Block structure the activation tape needs (norm placement, q/k norm, softmax dtype, ...)."""
     layer_linears: tuple[Linear, ...]
     """The linears of one (decoder) block."""
     encoder_layer_linears: tuple[Linear, ...] = ()
@@ -79,7 +114,9 @@ class ModelSpec:
     embedding_params: int
     """Input embeddings: token, position and token-type tables (plus their norm, if any)."""
     layer_params: int
-    """Exact parameters of one decoder block (largest block where blocks differ)."""
+    """Exact parameters of one decoder block. Hand-modelled families have identical blocks; a traced
+    model whose blocks differ (DeepSeek's dense first blocks) gets the mean, rounded down, and
+    head_params takes the remainder, so num_params stays exact."""
     encoder_layer_params: int = 0
     head_params: int
     """Everything after the last block: final norm, untied LM head or task head, pooler."""
@@ -87,8 +124,16 @@ class ModelSpec:
     """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
     config_path: str = ""
     """The config.json this spec was read from (what the runner builds the model from)."""
+    traced: bool = False
+    """Activations come from tracing the HF module itself (estimate/traced.py), not the hand tape:
+    set for model types hf.py does not model by hand (spec/generic.py)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Facts some families need (sliding_window, logit softcapping, ...). Never read by the core formulas."""
+
+    @property
+    def approximations(self) -> tuple[str, ...]:
+        """What about this model memkit prices approximately (empty for the hand-modelled families)."""
+        return tuple(self.extra.get("approximations", ()))
 
     @property
     def auto_class(self) -> str:

@@ -85,3 +85,23 @@ def test_console_script_exits_2_without_traceback():
                            "--gpu", "a100-80gb"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("memkit: error: unknown model")
+
+
+def test_device_cpu_prices_the_cpu_run_and_traced_models_say_so(capsys, tmp_path):
+    """--device cpu: no CUDA context or allocator cache (reserved == allocated == nvidia-smi), device
+    memory = host RAM without --gpu; a model type hf.py does not model is traced, and says so."""
+    config = {"model_type": "olmo2", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 2000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run_cli(["estimate", "--model", str(tmp_path), "--device", "cpu", "--engine", "torch",
+                            "--micro-batch-size", "2", "--seq-len", "256", "--precision", "bf16", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["device"] == "cpu"
+    assert data["allocated_peak_bytes"] == data["reserved_peak_bytes"] == data["nvidia_smi_peak_bytes"]
+    assert data["device_total_bytes"] == 64 * 1024**3
+    assert any("traced from the transformers olmo2 module" in a for a in data["approximations"])
+    cuda = json.loads(run_cli(["estimate", "--model", str(tmp_path), "--gpu", "a100-80gb", "--engine", "torch",
+                               "--micro-batch-size", "2", "--seq-len", "256", "--precision", "bf16", "--json"],
+                              capsys)[1])
+    assert cuda["reserved_peak_bytes"] > cuda["allocated_peak_bytes"]

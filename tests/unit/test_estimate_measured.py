@@ -22,7 +22,11 @@ from memkit.spec.hf import load_model_spec
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements.json"
 TOLERANCE = 0.05
 # Rows with a wider, stated tolerance and why (each is a known gap of the model, not noise).
-KNOWN_GAPS: dict[str, float] = {}
+KNOWN_GAPS: dict[str, float] = {
+    # ZeRO-3 + CPU offload under-counted by 5.1 % once the tape stopped adding an attention-output copy
+    # that SDPA does not make (the row was at -3.7 % with it): DeepSpeed's offload buffers (issue #9).
+    "ds-z3-bf16-offload": 0.06,
+}
 ROWS = json.loads(GOLDEN.read_text())["rows"]
 
 

@@ -1,0 +1,158 @@
+"""A ModelSpec for any model_type transformers can build, hand-modelled in hf.py or not.
+
+Sizes come from transformers' own config class (its attribute_map resolves n_embd/d_model/...
+to the standard names), parameter counts and linears from the model built on the meta device
+(exact by construction: accelerate's init_empty_weights idea), and the activations from the
+traced path (estimate/traced.py), which `ModelSpec.traced` switches on. A config whose
+model_type transformers does not know (remote code memkit does not run) is priced as a
+Llama-style block from its sizes, and the spec says so in `approximations`.
+Imports torch/transformers lazily, only when hf.py meets a model type it does not model by hand.
+"""
+from __future__ import annotations
+
+import json
+
+from memkit.errors import MemkitError
+from memkit.spec.model import Linear
+
+_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "query": "q", "key": "k", "value": "v",
+          "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "c_attn": "qkv",
+          "query_key_value": "qkv", "Wqkv": "qkv", "fc1": "up", "fc2": "down", "fc_in": "up", "fc_out": "down",
+          "c_fc": "up", "dense_h_to_4h": "up", "dense_4h_to_h": "down", "out_proj": "o", "dense": "o"}
+# Megatron-LM split of each role (Shoeybi et al. 2019, Sec. 3), as hf.py's _lin uses it.
+_TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "column", "up": "column",
+       "o": "row", "down": "row"}
+
+
+def generic_fields(config: dict, source: str) -> dict:
+    """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`."""
+    from memkit.estimate.traced import auto_class_for, block_lists, build_config
+
+    if not _known_to_transformers(config["model_type"]):
+        return _remote_code_fields(config, source)
+    hf_config = build_config(config)
+    auto_class = auto_class_for(hf_config)
+    model = _meta_model(hf_config, auto_class)
+    lists = block_lists(model)
+    if not lists:
+        raise MemkitError(f"{source}: found no repeated blocks in {type(model).__name__}; memkit cannot "
+                          "price its activations")
+    decoder_name, decoder = next(((n, m) for n, m in lists if "decoder" in n), max(lists, key=lambda x: len(x[1])))
+    encoder = next((m for n, m in lists if n != decoder_name), None)
+    numel = _numel
+    total = numel(model)
+    n_layers = len(decoder)
+    layer_params = sum(numel(b) for b in decoder) // n_layers
+    n_enc = len(encoder) if encoder is not None else 0
+    enc_params = sum(numel(b) for b in encoder) // n_enc if n_enc else 0
+    embed = model.get_input_embeddings()
+    embedding_params = numel(embed) if embed is not None else 0
+    head_params = total - embedding_params - n_layers * layer_params - n_enc * enc_params
+    biggest = max(decoder, key=numel)
+    h = _attr(hf_config, "hidden_size", default=None) or embed.weight.shape[1]
+    heads = _attr(hf_config, "num_attention_heads", default=1)
+    kv = _attr(hf_config, "num_key_value_heads", "num_kv_heads", default=None) or heads
+    kind = {"AutoModelForCausalLM": "decoder", "AutoModelForSeq2SeqLM": "encoder-decoder",
+            "AutoModelForMaskedLM": "encoder"}[auto_class]
+    linears = _linears(biggest)
+    names = {type(m).__name__.lower() for m in model.modules()}
+    head_out = model.get_output_embeddings()
+    tie = head_out is not None and embed is not None and head_out.weight is embed.weight
+    experts = _attr(hf_config, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0
+    return dict(
+        architecture=type(model).__name__, kind=kind, num_layers=n_layers, num_encoder_layers=n_enc,
+        hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=_attr(hf_config, "head_dim", default=None) or h // heads,
+        intermediate_size=_attr(hf_config, "intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner",
+                                "d_ff", default=None) or 4 * h,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=_attr(hf_config, "max_position_embeddings", "n_positions", default=1 << 20),
+        hidden_act=str(_attr(hf_config, "hidden_act", "activation_function", "hidden_activation",
+                             default="unknown")),
+        gated_mlp=any(lin.role == "gate" for lin in linears), norm_type="rmsnorm" if any("rmsnorm" in n for n in names)
+        else "layernorm", position_embedding="rope" if any("rotary" in n for n in names) else "learned",
+        num_experts=experts, num_experts_per_tok=_attr(hf_config, "num_experts_per_tok", "top_k", default=0) or 0,
+        tie_word_embeddings=tie, layer_linears=linears,
+        encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
+        layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
+        traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
+                            "approximations": tuple(
+                                f"tensor-parallel splits: {', '.join(unknown)} priced as replicated (not in "
+                                "memkit's role table)" for unknown in [sorted({
+                                    lin.name for lin in linears if lin.role not in _TP and lin.role != "router"})]
+                                if unknown)})
+
+
+def _known_to_transformers(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def _remote_code_fields(config: dict, source: str) -> dict:
+    """No transformers class (the model ships remote code, which memkit does not run): a Llama-style
+    pre-norm block (transformers/models/llama/modeling_llama.py) from the config's sizes."""
+    import transformers
+
+    from memkit.spec.hf import llama_like_fields
+
+    try:
+        fields = llama_like_fields(config, source)
+    except MemkitError as exc:
+        raise MemkitError(f"model_type {config['model_type']!r} is not in transformers {transformers.__version__} "
+                          f"(remote code memkit does not run), so memkit prices it as a Llama-style block from its "
+                          f"sizes, but {exc}") from None
+    fields["extra"] = {**fields.get("extra", {}), "approximations": (
+        f"model_type {config['model_type']!r} is not in transformers (remote code, not run): parameters and "
+        "activations priced as a Llama-style block from the config's sizes",)}
+    return fields
+
+
+def _meta_model(hf_config, auto_class: str):
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return getattr(transformers, auto_class).from_config(hf_config)
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _attr(cfg, *names, default):
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        if name.endswith("act") and isinstance(value, str):
+            return value
+    return default
+
+
+def _linears(block) -> tuple[Linear, ...]:
+    """Every Linear-like weight of one block under its HF leaf name (LoRA targets match it)."""
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        Conv1D = ()
+    out = []
+    for qual, mod in block.named_modules():
+        leaf = qual.split(".")[-1]
+        if isinstance(mod, torch.nn.Linear):
+            rows = [(leaf, mod.in_features, mod.out_features, mod.bias is not None, 1)]
+        elif Conv1D and isinstance(mod, Conv1D):  # GPT-2 style: weight is (in, out)
+            rows = [(leaf, mod.weight.shape[0], mod.weight.shape[1], mod.bias is not None, 1)]
+        elif type(mod).__name__.endswith("Router") and getattr(mod, "weight", None) is not None:
+            rows = [(leaf, mod.weight.shape[1], mod.weight.shape[0], False, 1)]  # MoE router: (experts, hidden)
+        else:  # fused MoE experts: 3-D (num_experts, out, in) parameters
+            rows = [(f"{leaf}.{pname}", p.shape[2], p.shape[1], False, p.shape[0])
+                    for pname, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+        for name, fin, fout, bias, count in rows:
+            role = "router" if type(mod).__name__.endswith("Router") else _ROLES.get(
+                name, "expert" if count > 1 else "other")
+            out.append(Linear(name=name, in_features=int(fin), out_features=int(fout), bias=bias, role=role,
+                              count=int(count), tp_style=_TP.get(role, "replicate")))
+    return tuple(out)
