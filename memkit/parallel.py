@@ -56,9 +56,17 @@ RUN_PP = {"engine": "torch", "pp_engine": "torch", "pp_schedule": "1f1b", "zero_
 """How memkit's runner runs pipeline parallel: torch.distributed.pipelining with 1F1B (the
 planner's choice; GPipe is accepted when pinned), whole optimizer states per stage (ZeRO-0)."""
 
-SPLIT_LIMITS = "no checkpoints or resume yet for tp/pp runs, and no final model folder"
-"""What a tensor/pipeline-split run cannot do yet: memkit.train.config.check_split refuses
---save-every / --resume with it, the loop skips the final save, `memkit suggest` prints it."""
+SPLIT_LIMITS = ("a tensor-parallel checkpoint resumes on the same tp x dp layout only "
+                "(DeepSpeed AutoTP shards are not resharded; pipeline checkpoints are)")
+"""What a split run cannot do: tp checkpoints are DeepSpeed engine checkpoints cut by the TP
+layout (memkit.train.split_checkpoint); pipeline checkpoints are DCP under the unsplit FQNs and
+reshard. `memkit suggest` prints it for tp plans (`split_limits`), the runner refuses a tp resume
+on another layout with it."""
+
+
+def split_limits(plan: "TrainingPlan") -> str:
+    """'' or what `plan`'s split run cannot do (SPLIT_LIMITS for tensor-parallel plans)."""
+    return SPLIT_LIMITS if plan.tp > 1 else ""
 
 
 # ---- what a plan may describe (priced) ------------------------------------------------------------

@@ -20,8 +20,8 @@ nothing in the first tier fits (they change the training numerics), and the resu
 Model splits (tp/pp > 1, unpinned): a tier is searched over the data-parallel layouts and the
 split layouts apart. With split 'if-needed' the splits are searched only when no data-parallel
 plan fits; with 'auto' (the default) a split also wins when the step-time model prices it faster
-than the best data-parallel plan by more than STEP_TIME_UNCERTAINTY, since a split run loses
-checkpoints and resume (memkit.parallel.SPLIT_LIMITS). Batch arithmetic alone never picks a split
+than the best data-parallel plan by more than STEP_TIME_UNCERTAINTY (a tp checkpoint is also
+tied to its layout: memkit.parallel.SPLIT_LIMITS). Batch arithmetic alone never picks a split
 (planner.space.layouts says which nearby global batches work instead). `SearchResult.split_reason`
 says why a split was chosen. A split keeps the numerics (AdamW and the same precision), so it
 comes before the lean tier.
@@ -46,8 +46,7 @@ STEP_TIME_UNCERTAINTY = 0.25
 data-parallel plan before the planner gives up data parallelism for it. An assumption, not a
 measurement: the step-time model's constants (achievable fraction of peak, communication overlap,
 CPU-Adam bandwidth) are cited but not yet calibrated against measured runs (README, 'Not
-measured'), so differences smaller than this are not ones it can tell apart, and a split run
-loses checkpoints and resume (memkit.parallel.SPLIT_LIMITS). Replace it by the measured relative
+measured'), so differences smaller than this are not ones it can tell apart. Replace it by the measured relative
 error of the step-time model once benchmarks/throughput_accuracy.py reports one."""
 
 

@@ -20,7 +20,7 @@ over the dp group only. Pipeline parallel replaces the engine: every rank builds
 model, keeps its stage (apply_pipeline_parallel), and each step runs the schedule over the
 grad_accum micro-batches (PipelineParallel.step, which normalises by the window's target tokens
 the same way), clips by the global norm over all stages and steps a plain torch optimizer.
-Checkpoints and the final model folder are data-parallel features for now.
+Checkpoints, resume and the final model folder of split runs: memkit.train.split_checkpoint.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_fina
 from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
+from memkit.train import split_checkpoint
 
 EXIT_OOM = 3
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -253,6 +254,9 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     manager = CheckpointManager(out_dir / "checkpoints", accelerator, keep=run.keep_checkpoints)
     start_step, tokens_seen, resumed_from = 0, 0, None
     resume_path = resolve_resume(run.resume, manager)
+    manager = split_checkpoint.manager_for(plan, manager.root, accelerator, keep=run.keep_checkpoints,
+                                           resume_path=resume_path, pipe=pipe, model=model, optimizer=optimizer,
+                                           model_config=model_config)
     if resume_path is not None:
         state = manager.load(resume_path)
         if state.get("data_fingerprint") != data.fingerprint():
@@ -283,9 +287,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     if main and run.lr_scaling_note:
         print(f"memkit: {run.lr_scaling_note}", file=sys.stderr)
     if main and (plan.tp > 1 or plan.pp > 1):
-        print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}"
-              + ("; the final model folder is not written for tensor/pipeline-split runs yet"
-                 if run.save_final else ""), file=sys.stderr)
+        print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}", file=sys.stderr)
 
     stop = StopFlag().install()
     progress = None
@@ -369,12 +371,10 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
                 progress.update(1)
             want_stop = float(stats[1]) > 0
             periodic = run.save_every and step % run.save_every == 0 and step < run.max_steps
-            if want_stop and plan.tp * plan.pp > 1:
-                log.write({"event": "checkpoint", "step": step, "path": None,
-                           "note": "not written: tensor/pipeline-split runs have no checkpoints yet"})
-            elif periodic or want_stop:
+            if periodic or want_stop:
                 crash = run.debug_crash_in_save_at_step == step
-                path = manager.save(step, _trainer_state(step, tokens_seen, data, plan, run, world),
+                path = manager.save(step, {**_trainer_state(step, tokens_seen, data, plan, run, world),
+                                           **split_checkpoint.trainer_state_extra(manager)},
                                     crash_before_publish=crash)
                 log.write({"event": "checkpoint", "step": step, "path": str(path)})
             if want_stop:
@@ -395,6 +395,15 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
         lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
         save_final_model(accelerator, model, tokenizer, final_dir, lora_scaling=lora_scaling)
         _save_probe(accelerator, model, data, out_dir / "probe_logits.pt", device)
+    elif interrupted_by is None and run.save_final:
+        final_dir = out_dir / "final"
+        if pipe is not None:
+            split_checkpoint.save_final_pp(pipe, tokenizer, final_dir, model_config=model_config)
+            split_checkpoint.save_probe_pp(pipe, data, out_dir / "probe_logits.pt")
+        else:
+            split_checkpoint.save_final_tp(engine, accelerator.unwrap_model(model), tokenizer, final_dir,
+                                           is_main=main)
+            _save_probe(accelerator, model, data, out_dir / "probe_logits.pt", device)
     peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
                           mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
                          dtype=torch.float64, device=device)

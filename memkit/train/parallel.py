@@ -150,8 +150,11 @@ class PipelineParallel:
         self.plan, self.layout, self.device = plan, layout, device
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.groups = _pipeline_groups(layout, tied=tied)
+        counts = layer_counts or stage_layers(len(getattr(model, model.base_model_prefix).layers), plan.pp)
+        self.first_layer = sum(counts[:layout.pp_stage])
+        """The unsplit model's index of this stage's first decoder layer (checkpoint FQNs)."""
         self.module = split_stage_module(model, stage=layout.pp_stage, num_stages=plan.pp,
-                                         layer_counts=layer_counts).to(device)
+                                         layer_counts=counts).to(device)
         self.tied_weight = None
         if tied and plan.pp > 1:
             lm = self.module.lm
