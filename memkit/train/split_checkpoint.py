@@ -82,7 +82,8 @@ def save_dcp(folder: Path, params: dict, optimizer) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dict(params, optimizer), checkpoint_id=str(Path(folder) / DCP_DIR))
+    dcp.save(_state_dict(params, optimizer), checkpoint_id=str(Path(folder) / DCP_DIR),
+             no_dist=not torch.distributed.is_initialized())
     _save_rng(folder)
 
 
@@ -116,7 +117,7 @@ def load_dcp_into(folder: Path, params: dict, optimizer, *, tied_names: tuple[st
                                               p.device if len(meta.size) else "cpu")
                 request[key] = state[name]
     with torch.no_grad():
-        dcp.load(request, checkpoint_id=str(path))
+        dcp.load(request, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     _load_rng(folder)
 
 
