@@ -28,8 +28,10 @@ transformers' from_pretrained reads for sharded weights: modeling_utils, SAFE_WE
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -82,8 +84,9 @@ def save_dcp(folder: Path, params: dict, optimizer) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dict(params, optimizer), checkpoint_id=str(Path(folder) / DCP_DIR),
-             no_dist=not torch.distributed.is_initialized())
+    with _one_process_quiet():
+        dcp.save(_state_dict(params, optimizer), checkpoint_id=str(Path(folder) / DCP_DIR),
+                 no_dist=not torch.distributed.is_initialized())
     _save_rng(folder)
 
 
@@ -116,9 +119,18 @@ def load_dcp_into(folder: Path, params: dict, optimizer, *, tied_names: tuple[st
                     state[name] = torch.zeros(meta.size, dtype=meta.properties.dtype, device=
                                               p.device if len(meta.size) else "cpu")
                 request[key] = state[name]
-    with torch.no_grad():
+    with torch.no_grad(), _one_process_quiet():
         dcp.load(request, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
     _load_rng(folder)
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """DCP warns that it assumes one process when no process group exists: that is the intent
+    here (a pp=1 run in one process resuming a pipeline checkpoint)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _rank() -> int:
