@@ -236,7 +236,8 @@ def manager_for(plan, root: Path, accelerator, *, keep: int, resume_path: Path |
 
 def check_resume_layout(plan, resume: str | None, output_dir: Path) -> None:
     """Before any process group: a tensor-parallel checkpoint holds DeepSpeed's per-TP-rank
-    shards, so it resumes on the same dp x tp x pp only (one line, exit 2 otherwise)."""
+    shards, so it resumes on the same dp x tp x pp only; a pipeline reads DCP checkpoints only
+    (one line, exit 2 otherwise)."""
     if resume is None or plan is None:
         return
     path = CheckpointManager(Path(output_dir) / "checkpoints", None).latest() if resume == "latest" else Path(resume)
@@ -249,6 +250,10 @@ def check_resume_layout(plan, resume: str | None, output_dir: Path) -> None:
             raise MemkitError(
                 f"--resume {path}: written by {_layout_of(state)}, this run is dp {plan.dp} x tp {plan.tp} x "
                 f"pp {plan.pp}; {SPLIT_LIMITS}; resume with the checkpoint's plan")
+    if plan.pp > 1 and state.get("format") != FORMAT_DCP:
+        raise MemkitError(f"--resume {path}: written by a {_layout_of(state)} run as DeepSpeed/Accelerate state, "
+                          "which a pipeline cannot read (it reads pipeline and torch-engine DCP checkpoints); "
+                          "resume with the checkpoint's plan")
 
 
 def trainer_state_extra(manager) -> dict:

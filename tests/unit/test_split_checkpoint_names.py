@@ -79,6 +79,13 @@ def test_tp_checkpoint_on_another_layout_is_refused(tmp_path):
         sc.check_resume_layout(tp2, "latest", tmp_path)
     sc.check_resume_layout(tp2.with_(dp=2), "latest", tmp_path)  # the same layout resumes
     sc.check_resume_layout(tp2, None, tmp_path)
+    pp2 = TrainingPlan(pp=2, engine="torch", zero_stage=0, grad_accum=2, micro_batch_size=1, seq_len=32)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"plan": {"dp": 2, "tp": 1, "pp": 1}}))
+    with pytest.raises(MemkitError, match=r"written by a dp 2 x tp 1 x pp 1 run as DeepSpeed/Accelerate state, "
+                                          r"which a pipeline cannot read"):
+        sc.check_resume_layout(pp2, str(ckpt), tmp_path)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"plan": {"dp": 2, "tp": 1, "pp": 1}, "format": sc.FORMAT_DCP}))
+    sc.check_resume_layout(pp2, str(ckpt), tmp_path)  # a torch-engine DCP checkpoint reshards onto pp=2
 
 
 def test_launch_script_for_a_split_plan(tmp_path, capsys):
