@@ -115,9 +115,10 @@ def load_dcp_into(folder: Path, params: dict, optimizer, *, tied_names: tuple[st
             if key.startswith(head):
                 state = opt.state.setdefault(p, {})
                 name = key[len(head):]
-                if name not in state:
-                    state[name] = torch.zeros(meta.size, dtype=meta.properties.dtype, device=
-                                              p.device if len(meta.size) else "cpu")
+                if name not in state:  # a fresh optimizer: its states take the parameter's layout
+                    state[name] = torch.zeros_like(p.detach(), dtype=meta.properties.dtype) \
+                        if tuple(meta.size) == tuple(p.shape) else \
+                        torch.zeros(meta.size, dtype=meta.properties.dtype, device="cpu")
                 request[key] = state[name]
     with torch.no_grad(), _one_process_quiet():
         dcp.load(request, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
@@ -245,7 +246,8 @@ def check_resume_layout(plan, resume: str | None, output_dir: Path) -> None:
         return  # nothing to resume yet, or resolve_resume's own message
     state = read_state(path)
     saved = state.get("plan") or {}
-    if plan.tp > 1 or saved.get("tp", 1) > 1:
+    autotp = (plan.tp > 1 and plan.pp == 1) or (saved.get("tp", 1) > 1 and saved.get("pp", 1) == 1)
+    if autotp:
         if (saved.get("tp", 1), saved.get("dp", 1), saved.get("pp", 1)) != (plan.tp, plan.dp, plan.pp):
             raise MemkitError(
                 f"--resume {path}: written by {_layout_of(state)}, this run is dp {plan.dp} x tp {plan.tp} x "
@@ -288,24 +290,33 @@ def save_final_pp(pipe, tokenizer, folder: Path, *, model_config) -> None:
 
     layout = pipe.layout
     name = f"model-{layout.pp_stage + 1:05d}-of-{layout.pp:05d}.safetensors"
-    state = {k: p.detach().cpu().contiguous() for k, p in stage_fqns(pipe).items()}
+    # Tensor-parallel shards (DTensor) gathered over the TP group: a collective on every TP rank.
+    state = {k: _full(p).cpu().contiguous() for k, p in stage_fqns(pipe).items()}
     state = _drop_tied(state, model_config)
-    if layout.dp_rank == 0:
+    writer = layout.dp_rank == 0 and layout.tp_rank == 0
+    if writer:
         folder.mkdir(parents=True, exist_ok=True)
         save_file(state, str(folder / name), metadata={"format": "pt"})
     entries = [None] * layout.world_size
     torch.distributed.all_gather_object(entries, {"file": name, "keys": sorted(state),
                                                   "bytes": sum(t.numel() * t.element_size() for t in state.values()),
-                                                  "dp_rank": layout.dp_rank})
+                                                  "writer": writer})
     if layout.rank == 0:
-        weight_map = {k: e["file"] for e in entries if e["dp_rank"] == 0 for k in e["keys"]}
-        total = sum(e["bytes"] for e in entries if e["dp_rank"] == 0)
+        weight_map = {k: e["file"] for e in entries if e["writer"] for k in e["keys"]}
+        total = sum(e["bytes"] for e in entries if e["writer"])
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
         model_config.save_pretrained(str(folder))
         _write_generation_config(pipe.module.lm, folder)
         tokenizer.save_pretrained(str(folder))
     torch.distributed.barrier()
+
+
+def _full(param):
+    from torch.distributed.tensor import DTensor
+
+    p = param.detach()
+    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _drop_tied(state: dict, config) -> dict:
@@ -345,11 +356,12 @@ def save_probe_pp(pipe, data, path: Path) -> None:
                 x = ids.to(pipe.device)
             else:
                 x = torch.empty((ids.shape[0], ids.shape[1], hidden), dtype=dtype, device=pipe.device)
-                dist.recv(x, src=layout.rank_of(dp_rank=0, pp_stage=layout.pp_stage - 1))
-            y = module(x)
+                dist.recv(x, src=layout.rank_of(dp_rank=0, pp_stage=layout.pp_stage - 1, tp_rank=layout.tp_rank))
+            y = module(x)  # under tp every rank of the TP group runs its shard (collectives inside)
             if not layout.is_last_stage:
-                dist.send(y.contiguous(), dst=layout.rank_of(dp_rank=0, pp_stage=layout.pp_stage + 1))
-            else:
+                dist.send(y.contiguous(), dst=layout.rank_of(dp_rank=0, pp_stage=layout.pp_stage + 1,
+                                                             tp_rank=layout.tp_rank))
+            elif layout.tp_rank == 0:
                 torch.save({"input_ids": ids, "attention_mask": probe["attention_mask"],
                             "logits": y.float().cpu(), "dtype": str(dtype)}, path)
         module.train()
