@@ -145,7 +145,7 @@ def test_every_split_structure_is_runnable():
                                          "causal LMs only"),
     ("t5-small", ["--pp", "2"], "pp=2 on t5-small (encoder-decoder, t5): memkit splits decoder-only"),
     ("gpt2", ["--pp", "2"], "pp=2 on model_type 'gpt2': the runner splits llama"),
-    ("llama-3.2-1b", ["--tp", "2", "--pp", "2"], "tp=2 with pp=2: the runner does not combine"),
+    ("gpt2", ["--tp", "2", "--pp", "2"], "tp=2 x pp=2 on model_type 'gpt2': the runner tensor-splits llama"),
     ("llama-3.2-1b", ["--pp", "2", "--zero", "1"], "pp=2 with --zero 1: the runner's pipeline path"),
     ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "tp=2 with offload: memkit runs DeepSpeed "
                                                                   "AutoTP without ZeRO offload"),
