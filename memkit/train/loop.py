@@ -19,7 +19,8 @@ rank of a TP group reads the same batch, as AutoTP requires) and DeepSpeed avera
 over the dp group only. Pipeline parallel replaces the engine: every rank builds the seeded
 model, keeps its stage (apply_pipeline_parallel), and each step runs the schedule over the
 grad_accum micro-batches (PipelineParallel.step, which normalises by the window's target tokens
-the same way), clips by the global norm over all stages and steps a plain torch optimizer.
+the same way), clips by the global norm over all stages and steps a plain torch optimizer;
+under tp x pp each stage is also tensor-split (torch DTensor, memkit.train.parallel).
 Checkpoints, resume and the final model folder of split runs: memkit.train.split_checkpoint.
 """
 from __future__ import annotations

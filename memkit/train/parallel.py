@@ -18,6 +18,13 @@ embedding lives on the first and the last stage and their gradients are summed (
 embedding group, Shoeybi et al. 2019). Data parallel replicas of the pipeline average gradients
 over the dp group.
 
+Tensor x pipeline parallel (tp > 1 and pp > 1, memkit.parallel.RUN_TP_PP): the pipeline above,
+and inside each stage torch's own tensor parallel (DTensor, parallelize_module with the
+Megatron column/row split of STAGE_TP_PLAN, the LM head column-parallel with gathered logits),
+as torchtitan combines them (torchtitan/models/llama3/infra/parallelize.py). AutoTP is not used
+here because it lives inside the DeepSpeed engine, which the pipeline schedule replaces. The
+pipeline, data-parallel and tied-embedding groups are formed per TP rank.
+
 Which splits run with which engine and ZeRO stage, the checks, the rank layout and the stage
 split are stated in memkit/parallel.py; this module only applies them (it needs torch).
 """
