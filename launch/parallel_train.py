@@ -6,7 +6,8 @@ fixed seed and fixed synthetic data, and log per-step loss and per-rank peak liv
     torchrun --nproc_per_node 2 launch/parallel_train.py --model llama-3.2-1b --plan runs/x/plan.json ...
 
 Tensor parallel runs through DeepSpeed AutoTP, pipeline parallel through
-torch.distributed.pipelining (memkit.train.parallel). tp=1 pp=1 is the plain single-model
+torch.distributed.pipelining, tp x pp through the pipeline with torch tensor parallel inside
+each stage (memkit.train.parallel). tp=1 pp=1 is the plain single-model
 reference the parallel runs are compared with. A thin driver: the runner (launch/finetune.py)
 can take these pieces over. Bad input: one line on stderr, exit 2.
 
