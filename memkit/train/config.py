@@ -270,8 +270,8 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
     from memkit.parallel import rank_layout, validate_parallel
     from memkit.spec.hf import spec_from_config
 
-    # --resume / --save-every: split runs checkpoint (memkit.train.split_checkpoint); a tp resume
-    # on another layout (memkit.parallel.SPLIT_LIMITS) is refused when the checkpoint is read.
+    # --resume / --save-every: split runs checkpoint (memkit.train.split_checkpoint); a resume the
+    # checkpoint's layout cannot serve is split_checkpoint.check_resume_layout's one line.
     spec = spec_from_config(json.loads(Path(config_path).read_text()), name=model_name,
                             config_path=str(config_path))
     hardware = PlanDocument({**(plan_doc or {}), "plan": plan.to_dict()}).hardware()
