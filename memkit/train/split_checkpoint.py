@@ -272,7 +272,7 @@ def save_final_tp(engine, unwrapped_model, tokenizer, folder: Path, *, is_main: 
     state = engine._consolidated_16bit_state_dict()  # all ranks take part; rank 0 gets the dict
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        _config_only_save(unwrapped_model, folder)
+        _save_config(unwrapped_model.config, unwrapped_model, folder)
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in _drop_tied(state, unwrapped_model.config).items()},
@@ -306,8 +306,7 @@ def save_final_pp(pipe, tokenizer, folder: Path, *, model_config) -> None:
         total = sum(e["bytes"] for e in entries if e["writer"])
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
-        model_config.save_pretrained(str(folder))
-        _write_generation_config(pipe.module.lm, folder)
+        _save_config(model_config, pipe.module.lm, folder)
         tokenizer.save_pretrained(str(folder))
     torch.distributed.barrier()
 
@@ -325,8 +324,14 @@ def _drop_tied(state: dict, config) -> dict:
     return state
 
 
-def _config_only_save(model, folder: Path) -> None:
-    model.config.save_pretrained(str(folder))
+def _save_config(config, model, folder: Path) -> None:
+    """config.json with the weights' dtype (what PreTrainedModel.save_pretrained records) and
+    generation_config.json."""
+    import copy
+
+    out = copy.deepcopy(config)
+    out.dtype = model.dtype
+    out.save_pretrained(str(folder))
     _write_generation_config(model, folder)
 
 
