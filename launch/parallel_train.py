@@ -6,7 +6,8 @@ fixed seed and fixed synthetic data, and log per-step loss and per-rank peak liv
     torchrun --nproc_per_node 2 launch/parallel_train.py --model llama-3.2-1b --plan runs/x/plan.json ...
 
 Tensor parallel runs through DeepSpeed AutoTP, pipeline parallel through
-torch.distributed.pipelining (memkit.train.parallel). tp=1 pp=1 is the plain single-model
+torch.distributed.pipelining, tp x pp through the pipeline with torch tensor parallel inside
+each stage (memkit.train.parallel). tp=1 pp=1 is the plain single-model
 reference the parallel runs are compared with. A thin driver: the runner (launch/finetune.py)
 can take these pieces over. Bad input: one line on stderr, exit 2.
 
@@ -95,9 +96,12 @@ def make_plan(args, world_size: int) -> TrainingPlan:
         base["dp"] = max(1, world_size // (tp * pp))
     if pp > 1:
         base.setdefault("grad_accum", pp)
-    # Engines: AutoTP runs inside DeepSpeed, the pipeline and the reference in plain torch.
+    # Engines (memkit.parallel.split_plan): AutoTP runs inside DeepSpeed; the pipeline (with torch
+    # tensor parallel inside its stages under tp x pp) and the reference in plain torch.
     if "engine" not in base or not args.plan:
-        base["engine"] = "deepspeed" if tp > 1 else "torch"
+        base["engine"] = "deepspeed" if tp > 1 and pp == 1 else "torch"
+        if tp > 1 and pp > 1:
+            base["tp_engine"] = "tp_plan"
     if "gradient_clipping" not in base:
         base["gradient_clipping"] = 1.0
     return TrainingPlan.from_dict(base).validate()
@@ -161,7 +165,7 @@ def run(args, name, model_config, plan, layout, spec, hardware) -> int:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     if layout.world_size > 1 or plan.tp > 1:
-        if plan.tp > 1:
+        if plan.tp > 1 and plan.pp == 1:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=backend)
@@ -219,7 +223,7 @@ def _engine(model, plan: TrainingPlan, layout, device, lr: float, tracker):
 
     from memkit.train import parallel
 
-    if plan.tp > 1:
+    if plan.tp > 1 and plan.pp == 1:
         from memkit.emit.deepspeed import deepspeed_config
 
         # The emitter's file as written, with the optimizer passed in (torch AdamW, as in the reference).

@@ -53,12 +53,24 @@ PRICED_AUTOTP_ZERO = (0, 1, 2)
 RUN_TP = {"engine": "deepspeed", "tp_engine": "autotp", "zero_stages": (0, 1, 2)}
 """How memkit's runner runs tensor parallel: DeepSpeed AutoTP inside the DeepSpeed engine."""
 RUN_PP = {"engine": "torch", "pp_engine": "torch", "pp_schedule": "1f1b", "zero_stages": (0,)}
+RUN_TP_PP = {**RUN_PP, "tp_engine": "tp_plan"}
+"""How memkit's runner runs tp x pp: the pipeline above with torch tensor parallel (DTensor,
+ColwiseParallel/RowwiseParallel: memkit.train.parallel.STAGE_TP_PLAN) inside each stage, as
+torchtitan combines them; AutoTP lives inside the DeepSpeed engine, which the pipeline replaces."""
 """How memkit's runner runs pipeline parallel: torch.distributed.pipelining with 1F1B (the
 planner's choice; GPipe is accepted when pinned), whole optimizer states per stage (ZeRO-0)."""
 
-SPLIT_LIMITS = "no checkpoints or resume yet for tp/pp runs, and no final model folder"
-"""What a tensor/pipeline-split run cannot do yet: memkit.train.config.check_split refuses
---save-every / --resume with it, the loop skips the final save, `memkit suggest` prints it."""
+SPLIT_LIMITS = ("a tensor-parallel checkpoint resumes on the same tp x dp layout only "
+                "(DeepSpeed AutoTP shards are not resharded; pipeline checkpoints are)")
+"""What a split run cannot do: tp checkpoints are DeepSpeed engine checkpoints cut by the TP
+layout (memkit.train.split_checkpoint); pipeline checkpoints are DCP under the unsplit FQNs and
+reshard. `memkit suggest` prints it for tp plans (`split_limits`), the runner refuses a tp resume
+on another layout with it."""
+
+
+def split_limits(plan: "TrainingPlan") -> str:
+    """'' or what `plan`'s split run cannot do (SPLIT_LIMITS for AutoTP plans: tp without pp)."""
+    return SPLIT_LIMITS if plan.tp > 1 and plan.pp == 1 else ""
 
 
 # ---- what a plan may describe (priced) ------------------------------------------------------------
@@ -80,6 +92,9 @@ def split_knob_error(plan: "TrainingPlan") -> str:
 
 def split_plan(plan: "TrainingPlan") -> "TrainingPlan":
     """`plan` with the engines its split runs on in memkit's runner (RUN_TP / RUN_PP)."""
+    if plan.pp > 1 and plan.tp > 1:
+        return plan.with_(engine=RUN_TP_PP["engine"], pp_engine=RUN_TP_PP["pp_engine"],
+                          pp_schedule=RUN_TP_PP["pp_schedule"], tp_engine=RUN_TP_PP["tp_engine"])
     if plan.pp > 1:
         return plan.with_(engine=RUN_PP["engine"], pp_engine=RUN_PP["pp_engine"], pp_schedule=RUN_PP["pp_schedule"])
     if plan.tp > 1:
@@ -162,10 +177,8 @@ def validate_parallel(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardwa
             f"{what}={plan.tp if what == 'tp' else plan.pp} on {spec.name} ({spec.kind}, {spec.model_type}): "
             f"memkit splits decoder-only causal LMs only; use tp=1 pp=1 (ZeRO-3 shards any model)")
     if plan.tp > 1 and plan.pp > 1:
-        raise MemkitError(
-            f"tp={plan.tp} with pp={plan.pp}: the runner does not combine tensor and pipeline "
-            "parallelism yet; use one of them (with ZeRO/data parallel for the rest)")
-    if plan.tp > 1:
+        _check_tp_pp(spec, plan, hardware)
+    elif plan.tp > 1:
         _check_tp(spec, plan, hardware)
     if plan.pp > 1:
         _check_pp(spec, plan)
@@ -195,6 +208,23 @@ def _check_tp(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> 
     if plan.is_lora:
         raise MemkitError(f"tp={plan.tp} with LoRA: the runner does not shard peft adapters; "
                           "use tp=1 with --lora-rank, or full fine-tuning with tp")
+
+
+def _check_tp_pp(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> None:
+    if spec.model_type not in TP_MODEL_TYPES:
+        raise MemkitError(
+            f"tp={plan.tp} x pp={plan.pp} on model_type {spec.model_type!r}: the runner tensor-splits "
+            f"{', '.join(TP_MODEL_TYPES)}; use tp=1 with pp, or ZeRO-3")
+    if plan.tp_engine != RUN_TP_PP["tp_engine"]:
+        raise MemkitError(f"tp={plan.tp} x pp={plan.pp} with tp engine {plan.tp_engine!r}: inside pipeline "
+                          "stages memkit runs torch tensor parallel; use tp_engine 'tp_plan'")
+    if hardware.num_gpus_per_node % plan.tp:
+        raise MemkitError(
+            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
+            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
+    if plan.sequence_parallel:
+        raise MemkitError(f"tp={plan.tp} x pp={plan.pp} with sequence parallel: the runner keeps activations "
+                          "replicated inside a TP group; drop sequence_parallel")
 
 
 def _check_pp(spec: "ModelSpec", plan: "TrainingPlan") -> None:
@@ -238,6 +268,9 @@ def deepspeed_data_ranks(plan: "TrainingPlan") -> int:
 
 def split_name(plan: "TrainingPlan") -> str:
     """'tensor parallel 2 (DeepSpeed AutoTP)' / 'pipeline parallel 2 (torch.distributed.pipelining, 1F1B)'."""
+    if plan.tp > 1 and plan.pp > 1:
+        return (f"tensor parallel {plan.tp} x pipeline parallel {plan.pp} (torch DTensor inside "
+                f"torch.distributed.pipelining stages, {plan.pp_schedule.upper()})")
     if plan.tp > 1:
         return f"tensor parallel {plan.tp} (DeepSpeed AutoTP)"
     return f"pipeline parallel {plan.pp} (torch.distributed.pipelining, {plan.pp_schedule.upper()})"
@@ -257,7 +290,9 @@ def engines(plan: "TrainingPlan") -> dict:
         else "accelerate launch, torchrun processes (no DeepSpeed)",
         "data_parallel": dp if plan.dp > 1 else None,
         "tensor_parallel": (f"DeepSpeed AutoTP training, autotp_size {plan.tp} (ds_config.json tensor_parallel)"
-                            if plan.tp_engine == "autotp" else f"transformers tp_plan (DTensor), tp {plan.tp}")
+                            if plan.tp_engine == "autotp" else
+                            f"torch DTensor tensor parallel (column/row-parallel linears), tp {plan.tp}"
+                            + (" inside each pipeline stage" if plan.pp > 1 else ""))
         if plan.tp > 1 else None,
         "pipeline_parallel": (f"torch.distributed.pipelining, {plan.pp} stages, "
                               f"{'Schedule1F1B' if plan.pp_schedule == '1f1b' else 'ScheduleGPipe'} over "

@@ -7,7 +7,10 @@ $SLURM_NODEID and rendezvous at the first node of the allocation.
 Run `bash run.sh` to start every node, or `MACHINE_RANK=i bash run.sh --node` on node i.
 
 Every node runs torchrun through Accelerate's standard multi-node DeepSpeed launcher
-(`--deepspeed_multinode_launcher standard`, static rendezvous), so no pdsh is needed.
+(`--deepspeed_multinode_launcher standard`, static rendezvous), so no pdsh is needed. Split
+plans (tp/pp) get the same script: the world is dp x pp x tp with tp innermost
+(memkit.parallel.RankLayout), so a TP group stays on one node when the processes per node are a
+multiple of tp (checked); pipeline stages may span nodes.
 """
 from __future__ import annotations
 
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if per_node * num_machines != plan.num_gpus:
         raise MemkitError(f"{num_machines} machines x {per_node} processes = {per_node * num_machines}, but the "
                           f"plan uses {plan.num_gpus} GPUs (dp*tp*pp); fix --num-machines/--gpus-per-node")
+    if per_node % plan.tp:  # rank layout: tp innermost, so a TP group is tp consecutive ranks (memkit.parallel)
+        raise MemkitError(f"tp={plan.tp} with {per_node} processes per node: a TP group would span nodes; "
+                          f"use --gpus-per-node a multiple of {plan.tp}")
     finetune_args = list(args.finetune_args)
     if finetune_args[:1] == ["--"]:
         finetune_args = finetune_args[1:]
@@ -86,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     how = f"sbatch {out}" if args.slurm else f"bash {out}"
-    print(f"wrote {out}: {num_machines} nodes x {per_node} processes; start it with `{how}`")
+    split = f" (dp {plan.dp} x tp {plan.tp} x pp {plan.pp})" if plan.tp > 1 or plan.pp > 1 else ""
+    print(f"wrote {out}: {num_machines} nodes x {per_node} processes{split}; start it with `{how}`")
     return 0
 
 

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--tp", default=None,
                       help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
                            "fits otherwise or the step-time model prices the split faster by more than its "
-                           "uncertainty (split runs cannot checkpoint or resume yet)")
+                           "uncertainty")
     pins.add_argument("--pp", default=None,
                       help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",

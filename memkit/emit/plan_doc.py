@@ -16,7 +16,7 @@ from pathlib import Path
 
 from memkit.emit.trainer import trainer_arguments
 from memkit.errors import MemkitError
-from memkit.parallel import SPLIT_LIMITS, engines
+from memkit.parallel import engines, split_limits
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 
@@ -136,8 +136,8 @@ def build(result, *, lr: float = DEFAULT_LR, elapsed_s: float | None = None,
     doc["budget_bytes"] = req.budget_bytes
     if result.split_reason:
         doc["split_reason"] = result.split_reason
-    if chosen.plan.tp > 1 or chosen.plan.pp > 1:
-        doc["split_limits"] = SPLIT_LIMITS
+    if split_limits(chosen.plan):
+        doc["split_limits"] = split_limits(chosen.plan)
     doc["search"] = {"num_structures": result.num_structures, "num_memory_estimates": result.num_memory_estimates}
     if elapsed_s is not None:
         doc["search"]["seconds"] = round(elapsed_s, 4)

@@ -21,8 +21,9 @@ Model splits (tp/pp > 1, unpinned): a tier is searched over the data-parallel la
 split layouts apart. With split 'if-needed' the splits are searched only when no data-parallel
 plan fits; with 'auto' (the default) a split also wins when the step-time model prices it faster
 than the best data-parallel plan by more than the model's measured uncertainty
-(estimate.throughput.step_time_uncertainty: p75 error on published runs), since a split run loses
-checkpoints and resume (memkit.parallel.SPLIT_LIMITS). Batch arithmetic alone never picks a split
+(estimate.throughput.step_time_uncertainty: p75 error on published runs), since a split is the
+riskier run (a tp checkpoint is also tied to its layout: memkit.parallel.SPLIT_LIMITS). Batch
+arithmetic alone never picks a split
 (planner.space.layouts says which nearby global batches work instead). `SearchResult.split_reason`
 says why a split was chosen. A split keeps the numerics (AdamW and the same precision), so it
 comes before the lean tier.

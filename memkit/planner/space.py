@@ -207,15 +207,16 @@ def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
 
 def layouts(request: Request) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) with dp dividing the global batch and, under a pipeline, at least pp
-    micro-batches per step (1F1B); never tp > 1 with pp > 1 (the runner cannot combine them).
+    micro-batches per step (1F1B); tp > 1 with pp > 1 only when both are pinned.
     MemkitError when none meets the batch, or (tp/pp unpinned) when data parallelism over every
     GPU does not: batch arithmetic alone is no reason to split the model."""
     num_gpus = request.hardware.num_gpus
     tps, pps = _split_degrees(request)
     tps = [request.tp] if request.tp is not None else tps
     pps = [request.pp] if request.pp is not None else pps
+    both_pinned = request.tp is not None and request.pp is not None  # tp x pp only on purpose
     every = [(t, p, num_gpus // (t * p)) for t in tps for p in pps
-             if num_gpus % (t * p) == 0 and (t == 1 or p == 1)]
+             if num_gpus % (t * p) == 0 and (t == 1 or p == 1 or both_pinned)]
     good = [(t, p, dp) for t, p, dp in every
             if request.global_batch_size % dp == 0 and request.global_batch_size // dp >= p]
     if not good:

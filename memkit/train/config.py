@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.parallel import SPLIT_LIMITS
 from memkit.plan import TrainingPlan
 
 PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_batch_size", "grad_accum",
@@ -275,22 +274,18 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
 # ---- model splits ---------------------------------------------------------------------------------
 
 def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path, model_name: str,
-                resume: str | None, save_every: int, env: dict | None) -> None:
+                env: dict | None) -> None:
     """Before any process group exists: MemkitError (one line, exit 2) unless the runner can run
     `plan`'s tensor/pipeline split on this model and this launch (memkit.parallel
-    .validate_parallel, rank_layout), and unless it is asked for what split runs cannot do yet.
+    .validate_parallel, rank_layout).
     env: the launched process's environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE); None before
     the launch, when only the plan and the model can be checked."""
     from memkit.emit.plan_doc import PlanDocument
     from memkit.parallel import rank_layout, validate_parallel
     from memkit.spec.hf import spec_from_config
 
-    what = f"tp={plan.tp}" if plan.tp > 1 else f"pp={plan.pp}"
-    if resume is not None:
-        raise MemkitError(f"--resume with {what}: {SPLIT_LIMITS}; start the run afresh (or use a "
-                          "data-parallel plan, which resumes exactly)")
-    if save_every:
-        raise MemkitError(f"--save-every {save_every} with {what}: {SPLIT_LIMITS}; drop --save-every")
+    # --resume / --save-every: split runs checkpoint (memkit.train.split_checkpoint); a resume the
+    # checkpoint's layout cannot serve is split_checkpoint.check_resume_layout's one line.
     from memkit.fileio import read_json_object
 
     spec = spec_from_config(read_json_object(config_path), name=model_name,

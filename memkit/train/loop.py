@@ -19,8 +19,9 @@ rank of a TP group reads the same batch, as AutoTP requires) and DeepSpeed avera
 over the dp group only. Pipeline parallel replaces the engine: every rank builds the seeded
 model, keeps its stage (apply_pipeline_parallel), and each step runs the schedule over the
 grad_accum micro-batches (PipelineParallel.step, which normalises by the window's target tokens
-the same way), clips by the global norm over all stages and steps a plain torch optimizer.
-Checkpoints and the final model folder are data-parallel features for now.
+the same way), clips by the global norm over all stages and steps a plain torch optimizer;
+under tp x pp each stage is also tensor-split (torch DTensor, memkit.train.parallel).
+Checkpoints, resume and the final model folder of split runs: memkit.train.split_checkpoint.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_fina
 from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
+from memkit.train import split_checkpoint
 
 EXIT_OOM = 3
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -238,6 +240,8 @@ class _Run:
     step_times: list = field(default_factory=list)
     eval_losses: dict = field(default_factory=dict)
     """step -> eval loss (mean over the eval set's target tokens)."""
+    model_config: object = None
+    """The transformers config (the pipeline's final save rebuilds the HF folder from it)."""
     interrupted_by: int | None = None
 
     @property
@@ -322,6 +326,9 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     manager = CheckpointManager(out_dir / "checkpoints", accelerator, keep=run.keep_checkpoints)
     start_step, tokens_seen, resumed_from = 0, 0, None
     resume_path = resolve_resume(run.resume, manager)
+    manager = split_checkpoint.manager_for(plan, manager.root, accelerator, keep=run.keep_checkpoints,
+                                           resume_path=resume_path, pipe=pipe, model=model, optimizer=optimizer,
+                                           model_config=model_config)
     if resume_path is not None:
         state = manager.load(resume_path)
         if state.get("data_fingerprint") != data.fingerprint():
@@ -364,7 +371,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
                 ds_config=ds_config, layout=layout, model=model, optimizer=optimizer,
                 engine=model if is_ds else None, pipe=pipe, meter=meter, sharding=sharding, manager=manager,
                 log=log, board=board, start_record=start_record, flops_per_token=flops_per_token,
-                peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step)
+                peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step,
+                model_config=model_config)
 
 
 def _say_start(run: RunConfig, plan: TrainingPlan, world: int, data: PackedData, *, resumed_from, start_step) -> None:
@@ -381,9 +389,7 @@ def _say_start(run: RunConfig, plan: TrainingPlan, world: int, data: PackedData,
     if data.eval is not None and plan.pp > 1:
         print("memkit: eval loss is not computed for pipeline-split runs yet", file=sys.stderr)
     if plan.tp > 1 or plan.pp > 1:
-        print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}"
-              + ("; the final model folder is not written for tensor/pipeline-split runs yet"
-                 if run.save_final else ""), file=sys.stderr)
+        print(f"memkit: {world} processes = dp {plan.dp} x tp {plan.tp} x pp {plan.pp}", file=sys.stderr)
 
 
 def _steps(st: _Run) -> None:
@@ -467,12 +473,10 @@ def _steps(st: _Run) -> None:
                 progress.set_postfix(_postfix(record, mem, st), refresh=False)
                 progress.update(1)
             periodic = run.save_every and st.step % run.save_every == 0 and st.step < run.max_steps
-            if want_stop and plan.tp * plan.pp > 1:
-                st.log.write({"event": "checkpoint", "step": st.step, "path": None,
-                              "note": "not written: tensor/pipeline-split runs have no checkpoints yet"})
-            elif periodic or want_stop:
+            if periodic or want_stop:
                 crash = run.debug_crash_in_save_at_step == st.step
-                path = st.manager.save(st.step, _trainer_state(st.step, st.tokens_seen, data, plan, run, st.world),
+                path = st.manager.save(st.step, {**_trainer_state(st.step, st.tokens_seen, data, plan, run, st.world),
+                                                 **split_checkpoint.trainer_state_extra(st.manager)},
                                        crash_before_publish=crash)
                 st.log.write({"event": "checkpoint", "step": st.step, "path": str(path)})
             if want_stop:
@@ -569,6 +573,15 @@ def _finish(st: _Run) -> dict:
                          adapter_dir=out_dir / "adapter" if plan.is_lora else None,
                          base_model=_base_model_path(run))
         _save_probe(accelerator, st.model, st.data, out_dir / "probe_logits.pt", device)
+    elif st.interrupted_by is None and run.save_final:  # split runs: memkit.train.split_checkpoint
+        final_dir = out_dir / "final"
+        if st.pipe is not None:
+            split_checkpoint.save_final_pp(st.pipe, st.tokenizer, final_dir, model_config=st.model_config)
+            split_checkpoint.save_probe_pp(st.pipe, st.data, out_dir / "probe_logits.pt")
+        else:
+            split_checkpoint.save_final_tp(st.engine, accelerator.unwrap_model(st.model), st.tokenizer, final_dir,
+                                           is_main=st.main)
+            _save_probe(accelerator, st.model, st.data, out_dir / "probe_logits.pt", device)
     peaks = torch.tensor([mem.allocated_peak_bytes or 0, mem.reserved_peak_bytes or 0,
                           mem.device_used_peak_bytes or 0, mem.host_rss_peak_bytes or 0],
                          dtype=torch.float64, device=device)

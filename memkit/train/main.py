@@ -141,8 +141,11 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
                           "that names one")
     source = resolve_model(model_name)
     if plan is not None and (plan.tp > 1 or plan.pp > 1):
-        check_split(plan, plan_doc, config_path=source.config_path, model_name=model_name, resume=args.resume,
-                    save_every=args.save_every, env=dict(os.environ) if launched else None)
+        check_split(plan, plan_doc, config_path=source.config_path, model_name=model_name,
+                    env=dict(os.environ) if launched else None)
+    from memkit.train.split_checkpoint import check_resume_layout
+
+    check_resume_layout(plan, args.resume, Path(args.output_dir))
     config = load_config(source)
     seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
     if seq_len is None:

@@ -18,6 +18,13 @@ embedding lives on the first and the last stage and their gradients are summed (
 embedding group, Shoeybi et al. 2019). Data parallel replicas of the pipeline average gradients
 over the dp group.
 
+Tensor x pipeline parallel (tp > 1 and pp > 1, memkit.parallel.RUN_TP_PP): the pipeline above,
+and inside each stage torch's own tensor parallel (DTensor, parallelize_module with the
+Megatron column/row split of STAGE_TP_PLAN, the LM head column-parallel with gathered logits),
+as torchtitan combines them (torchtitan/models/llama3/infra/parallelize.py). AutoTP is not used
+here because it lives inside the DeepSpeed engine, which the pipeline schedule replaces. The
+pipeline, data-parallel and tied-embedding groups are formed per TP rank.
+
 Which splits run with which engine and ZeRO stage, the checks, the rank layout and the stage
 split are stated in memkit/parallel.py; this module only applies them (it needs torch).
 """
@@ -150,8 +157,14 @@ class PipelineParallel:
         self.plan, self.layout, self.device = plan, layout, device
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.groups = _pipeline_groups(layout, tied=tied)
+        self.tp_mesh = _tp_mesh(layout, device) if layout.tp > 1 else None
+        counts = layer_counts or stage_layers(len(getattr(model, model.base_model_prefix).layers), plan.pp)
+        self.first_layer = sum(counts[:layout.pp_stage])
+        """The unsplit model's index of this stage's first decoder layer (checkpoint FQNs)."""
         self.module = split_stage_module(model, stage=layout.pp_stage, num_stages=plan.pp,
-                                         layer_counts=layer_counts).to(device)
+                                         layer_counts=counts).to(device)
+        if self.tp_mesh is not None:
+            shard_stage_tensor_parallel(self.module, self.tp_mesh)
         self.tied_weight = None
         if tied and plan.pp > 1:
             lm = self.module.lm
@@ -189,31 +202,40 @@ class PipelineParallel:
             else:
                 self.schedule.step(target=labels.to(self.device), losses=losses, return_outputs=False)
         self._reduce_gradients()
-        local = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros(())
+        local = torch.stack([l.detach().float() for l in losses]).sum() if losses and not self.layout.tp_rank \
+            else torch.zeros(())
         total = local.to(self.device).clone()
-        dist.all_reduce(total)  # only last stages contribute: sum over dp replicas
+        dist.all_reduce(total)  # only last stages' tp rank 0 contribute: sum over dp replicas
         return float(total) / self.layout.dp
 
     def _reduce_gradients(self) -> None:
         import torch.distributed as dist
 
         if self.layout.dp > 1:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
             _all_reduce_coalesced(grads, group=self.groups["dp"], average_by=self.layout.dp)
         if self.tied_weight is not None and self.tied_weight.grad is not None:
             dist.all_reduce(self.tied_weight.grad, group=self.groups["tied"])
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the global gradient norm over all stages (each parameter counted once: the tied
-        weight only on the first stage). Returns the norm before clipping."""
+        weight only on the first stage; a tensor-parallel shard's squares summed over the TP
+        group, a replicated parameter's counted once). Returns the norm before clipping."""
         import torch
         import torch.distributed as dist
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
         counted = [p for p in self.module.parameters() if p.grad is not None
                    and not (p is self.tied_weight and self.layout.is_last_stage and self.layout.pp > 1)]
         for p in counted:
-            sq += p.grad.detach().float().pow(2).sum()
+            if _is_dtensor(p.grad):
+                sharded += p.grad.to_local().detach().float().pow(2).sum()
+            else:
+                sq += p.grad.detach().float().pow(2).sum()
+        if self.tp_mesh is not None:
+            dist.all_reduce(sharded, group=self.tp_mesh.get_group())
+        sq += sharded
         dist.all_reduce(sq, group=self.groups["pp"])
         norm = float(sq.sqrt())
         if max_norm > 0:
@@ -232,28 +254,81 @@ def apply_pipeline_parallel(model, plan: TrainingPlan, layout: RankLayout, *, de
 
 def _pipeline_groups(layout: RankLayout, *, tied: bool) -> dict[str, Any]:
     """Process groups: this rank's pipeline (pp), its data-parallel peers (dp), and the
-    first/last stage pair that shares a tied embedding. Every rank creates every group in the
-    same order (torch.distributed.new_group's contract)."""
+    first/last stage pair that shares a tied embedding, each among the ranks of one TP rank.
+    Every rank creates every group in the same order (torch.distributed.new_group's contract)."""
     import torch.distributed as dist
 
     out: dict[str, Any] = {}
-    for d in range(layout.dp):
-        ranks = [layout.rank_of(dp_rank=d, pp_stage=s) for s in range(layout.pp)]
-        group = dist.new_group(ranks)
-        if d == layout.dp_rank:
-            out["pp"] = group
-    for s in range(layout.pp):
-        ranks = [layout.rank_of(dp_rank=d, pp_stage=s) for d in range(layout.dp)]
-        group = dist.new_group(ranks)
-        if s == layout.pp_stage:
-            out["dp"] = group
-    if tied and layout.pp > 1:
+    mine = (layout.dp_rank, layout.pp_stage, layout.tp_rank)
+    for t in range(layout.tp):
         for d in range(layout.dp):
-            ranks = [layout.rank_of(dp_rank=d, pp_stage=0), layout.rank_of(dp_rank=d, pp_stage=layout.pp - 1)]
-            group = dist.new_group(ranks)
-            if d == layout.dp_rank:
-                out["tied"] = group
+            group = dist.new_group([layout.rank_of(dp_rank=d, pp_stage=s, tp_rank=t) for s in range(layout.pp)])
+            if (d, t) == (mine[0], mine[2]):
+                out["pp"] = group
+        for s in range(layout.pp):
+            group = dist.new_group([layout.rank_of(dp_rank=d, pp_stage=s, tp_rank=t) for d in range(layout.dp)])
+            if (s, t) == (mine[1], mine[2]):
+                out["dp"] = group
+        if tied and layout.pp > 1:
+            for d in range(layout.dp):
+                group = dist.new_group([layout.rank_of(dp_rank=d, pp_stage=0, tp_rank=t),
+                                        layout.rank_of(dp_rank=d, pp_stage=layout.pp - 1, tp_rank=t)])
+                if (d, t) == (mine[0], mine[2]):
+                    out["tied"] = group
     return out
+
+
+# ---- tensor parallel inside pipeline stages (torch DTensor) ---------------------------------------
+
+STAGE_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                 "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                 "mlp.down_proj": "rowwise"}
+"""Megatron-LM's decoder-block split (Shoeybi et al. 2019, Sec. 3: column-parallel q/k/v and the
+MLP's first linears, row-parallel attention output and MLP down projection); the same plan as
+transformers' base_model_tp_plan for Llama (models/llama/configuration_llama.py) and
+torchtitan's (torchtitan/models/llama3/infra/parallelize.py, apply_tp). Embedding, norms and
+LM head stay replicated."""
+
+
+def _tp_mesh(layout: RankLayout, device):
+    """This rank's TP group as a 1-D DeviceMesh: the tp consecutive ranks of its (dp, stage)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=("dp", "pp", "tp"))
+    return mesh["tp"]
+
+
+def shard_stage_tensor_parallel(stage_module, tp_mesh) -> None:
+    """Shard every decoder block of a pipeline stage over `tp_mesh` with torch's tensor parallel
+    (torch.distributed.tensor.parallel.parallelize_module; ColwiseParallel / RowwiseParallel with
+    local outputs, so attention reshapes with the local head count, the residual stream stays a
+    plain replicated tensor and the stages pass plain tensors). DTensor's backward all-reduces
+    the input gradient of the column-parallel linears, so the replicated parameters' gradients
+    are equal on every TP rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.tensor import Replicate
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    lm = stage_module.lm
+    base = getattr(lm, lm.base_model_prefix)
+    for block in base.layers:
+        parallelize_module(block, tp_mesh, {name: styles[kind]() for name, kind in STAGE_TP_PLAN.items()})
+    if stage_module.last and not getattr(lm.config, "tie_word_embeddings", False):
+        # Column-parallel LM head with the logits gathered, as AutoTP trains it (deepspeed/
+        # module_inject/auto_tp.py, training_column_lm_head) and the estimator prices it. A tied
+        # head stays replicated: its gradient is summed with the first stage's embedding.
+        parallelize_module(lm, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t):
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _all_reduce_coalesced(tensors: list, *, group, average_by: int) -> None:

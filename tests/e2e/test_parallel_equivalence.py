@@ -1,8 +1,8 @@
 """Tensor and pipeline parallel runs on CPU (gloo) train the same model as one process does.
 
 One tiny Llama (fp32, untied head), fixed seed and data, 3 optimizer steps of 4 micro-batches:
-tp=2 (DeepSpeed AutoTP), pp=2 (torch.distributed.pipelining, 1F1B and GPipe) and tp=2 x dp=2
-reach the losses of the single-process run within LOSS_RTOL; a tied-embedding Gemma-2 pipeline
+tp=2 (DeepSpeed AutoTP), pp=2 (torch.distributed.pipelining, 1F1B and GPipe), tp=2 x dp=2 and
+tp=2 x pp=2 (torch tensor parallel inside the pipeline stages) reach the losses of the single-process run within LOSS_RTOL; a tied-embedding Gemma-2 pipeline
 (pp=2 x dp=2, the tied weight's gradient summed over the first and last stage) matches its own
 single-process run. Measured: the losses agree to within 1 fp32 ulp (rel <= 1.2e-7) for all.
 
@@ -91,6 +91,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                           [*LLAMA_ARGS, "--grad-accum", "4", "--pp", "2", "--pp-schedule", "gpipe"]),
         # Same global batch (8 sequences) as ref: 2 dp shards x micro 2 x accum 2.
         "tp2_dp2": _run(tmp, "tp2_dp2", LLAMA, 4, [*LLAMA_ARGS, "--grad-accum", "2", "--tp", "2"]),
+        # torch tensor parallel inside each pipeline stage (memkit.parallel.RUN_TP_PP).
+        "tp2_pp2": _run(tmp, "tp2_pp2", LLAMA, 4, [*LLAMA_ARGS, "--grad-accum", "4", "--tp", "2", "--pp", "2"]),
         "gemma_ref": _run(tmp, "gemma_ref", GEMMA2, 1, [*GEMMA_ARGS, "--grad-accum", "4"]),
         "gemma_pp2_dp2": _run(tmp, "gemma_pp2_dp2", GEMMA2, 4, [*GEMMA_ARGS, "--grad-accum", "2", "--pp", "2"]),
     }
@@ -109,6 +111,7 @@ def _losses(log) -> list[float]:
     ("pp2_1f1b", "ref", 2, {"dp": 1, "tp": 1, "pp": 2}),
     ("pp2_gpipe", "ref", 2, {"dp": 1, "tp": 1, "pp": 2}),
     ("tp2_dp2", "ref", 4, {"dp": 2, "tp": 2, "pp": 1}),
+    ("tp2_pp2", "ref", 4, {"dp": 1, "tp": 2, "pp": 2}),
     ("gemma_pp2_dp2", "gemma_ref", 4, {"dp": 2, "tp": 1, "pp": 2}),
 ])
 def test_parallel_run_reaches_the_single_process_losses(runs, name, ref, world, degrees):
@@ -127,6 +130,9 @@ def test_engines_and_layouts_are_recorded(runs):
     assert _start(runs["tp2"])["tp_engine"] == "autotp" and _start(runs["tp2"])["pp_engine"] is None
     assert _start(runs["pp2_1f1b"])["pp_schedule"] == "1f1b"
     assert _start(runs["pp2_gpipe"])["pp_schedule"] == "gpipe"
+    tppp = _start(runs["tp2_pp2"])
+    assert (tppp["tp_engine"], tppp["pp_engine"]) == ("tp_plan", "torch")
+    assert [(p["pp_stage"], p["tp_rank"]) for p in tppp["layout"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert _start(runs["tp2_dp2"])["layout"] == [
         {"rank": 0, "dp_rank": 0, "pp_stage": 0, "tp_rank": 0}, {"rank": 1, "dp_rank": 0, "pp_stage": 0, "tp_rank": 1},
         {"rank": 2, "dp_rank": 1, "pp_stage": 0, "tp_rank": 0}, {"rank": 3, "dp_rank": 1, "pp_stage": 0, "tp_rank": 1}]

@@ -5,7 +5,7 @@ the tp bundle (ds_config.json with the AutoTP block, DeepSpeed engine) and the p
 multi-process accelerate.yaml, torch.distributed.pipelining 1F1B) each reach the losses of the
 same run in one unsplit process. Measured: they agree to <= 4e-8 relative (fp32 summation
 order), and the loss falls 5.81 -> 5.59 -> 5.50 (lr 1e-3 on repetitive text).
-Bad input (a split the runner cannot run, --resume of a split run) is one line, exit 2.
+Bad input (a split the runner cannot run, a launch of the wrong size) is one line, exit 2.
 """
 from __future__ import annotations
 
@@ -124,7 +124,6 @@ def pp_bundle(tiny, tmp_path_factory) -> Path:
     (["--model", "gpt2"], True,
      "pp=2 on model_type 'gpt2': the runner splits llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
      "phi3 into stages; use pp=1 (ZeRO-3) for this model"),
-    (["--resume"], True, "--resume with pp=2: no checkpoints or resume yet for tp/pp runs"),
     ([], False, "dp*pp*tp = 1*2*1 = 2 but 1 processes were launched; launch 2 processes"),
 ])
 def test_finetune_refuses_what_a_split_run_cannot_do_in_one_line(args, launched, message, pp_bundle, tmp_path):

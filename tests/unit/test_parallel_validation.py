@@ -102,7 +102,9 @@ def test_architectures_the_runner_cannot_split(model, what, match):
 
 @pytest.mark.parametrize("plan, match", [
     (TrainingPlan(engine="deepspeed", precision="fp32", tp=2, pp=2, grad_accum=2),
-     r"tp=2 with pp=2: the runner does not combine"),
+     r"tp=2 x pp=2 with tp engine 'autotp': inside pipeline stages memkit runs torch tensor parallel"),
+    (TrainingPlan(engine="deepspeed", precision="fp32", tp=2, pp=2, grad_accum=2, tp_engine="tp_plan"),
+     r"pipeline runs through torch.distributed.pipelining.*use engine 'torch'"),
     (tp_plan(2, tp_engine="tp_plan"), r"tp engine 'tp_plan' is not run by memkit; use tp_engine 'autotp'"),
     (TrainingPlan(engine="torch", precision="fp32", tp=2), r"AutoTP runs inside DeepSpeed; use engine 'deepspeed'"),
     (tp_plan(2, lora_rank=8), r"tp=2 with LoRA"),
@@ -116,6 +118,15 @@ def test_architectures_the_runner_cannot_split(model, what, match):
 def test_plans_the_runner_cannot_run(plan, match):
     with pytest.raises(MemkitError, match=match):
         validate_parallel(SPEC, plan, hw(plan.num_gpus))
+
+
+def test_tp_times_pp_runs_with_the_engines_split_plan_gives_it():
+    from memkit.parallel import split_name, split_plan
+
+    plan = split_plan(TrainingPlan(precision="fp32", tp=2, pp=2, grad_accum=2))
+    assert (plan.engine, plan.tp_engine, plan.pp_engine, plan.pp_schedule) == ("torch", "tp_plan", "torch", "1f1b")
+    validate_parallel(SPEC, plan, hw(4))
+    assert split_name(plan).startswith("tensor parallel 2 x pipeline parallel 2 (torch DTensor")
 
 
 def test_zero3_with_autotp_is_refused_by_the_plan_itself():

@@ -144,7 +144,7 @@ def test_every_split_structure_is_runnable():
                                          "causal LMs only"),
     ("t5-small", ["--pp", "2"], "pp=2 on t5-small (encoder-decoder, t5): memkit splits decoder-only"),
     ("gpt2", ["--pp", "2"], "pp=2 on model_type 'gpt2': the runner splits llama"),
-    ("llama-3.2-1b", ["--tp", "2", "--pp", "2"], "tp=2 with pp=2: the runner does not combine"),
+    ("gpt2", ["--tp", "2", "--pp", "2"], "tp=2 x pp=2 on model_type 'gpt2': the runner tensor-splits llama"),
     ("llama-3.2-1b", ["--pp", "2", "--zero", "1"], "pp=2 with --zero 1: the runner's pipeline path"),
     ("llama-3.2-1b", ["--tp", "2", "--offload-optimizer", "cpu"], "tp=2 with offload: memkit runs DeepSpeed "
                                                                   "AutoTP without ZeRO offload"),
@@ -189,8 +189,6 @@ def test_split_plans_keep_their_degrees_and_must_fill_the_world():
 @pytest.mark.parametrize("config, plan, kw, message", [
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 100, "n_positions": 128},
      TP2, {}, r"tp=2 on model_type 'gpt2'"),
-    (TINY, PP2, {"resume": "latest"}, r"--resume with pp=2: no checkpoints or resume yet for tp/pp runs"),
-    (TINY, TP2, {"save_every": 5}, r"--save-every 5 with tp=2: .* drop --save-every"),
     (TINY, PP2, {"env": {"WORLD_SIZE": "4", "RANK": "0"}}, r"dp\*pp\*tp = 1\*2\*1 = 2 but 4 processes were launched"),
     (TINY, TP2, {"env": {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}},
      r"tp=2 but 1 processes per node were launched"),
@@ -198,13 +196,13 @@ def test_split_plans_keep_their_degrees_and_must_fill_the_world():
 def test_runner_startup_checks(tmp_path, config, plan, kw, message):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    args = {"resume": None, "save_every": 0, "env": {"WORLD_SIZE": "2", "RANK": "0"}, **kw}
+    args = {"env": {"WORLD_SIZE": "2", "RANK": "0"}, **kw}
     doc = {"hardware": {"gpu": "a100-80gb", "num_gpus_per_node": 2, "num_nodes": 1}}
     with pytest.raises(MemkitError, match=message) as info:
         check_split(plan, doc, config_path=path, model_name="m", **args)
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
     if "env" in kw:  # before the launch (`memkit train`) only the plan and the model are checked
-        check_split(plan, doc, config_path=path, model_name="m", resume=None, save_every=0, env=None)
+        check_split(plan, doc, config_path=path, model_name="m", env=None)
 
 
 def _fields(req: Request) -> dict:
