@@ -19,13 +19,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations, head_activations, numerics
+from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
+from memkit.estimate.techniques import head_grad_lands_early, loss_activations
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
+from memkit.techniques import checkpointed_blocks, partial_blocks_error
 from memkit.units import GIB, MIB
 
 # Caching-allocator slack over the allocated peak: reserved ~= allocated * (1 + f) + rounding.
@@ -44,6 +46,9 @@ def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> N
     """What the estimator needs before pricing: the degree checks (memkit.parallel, their one
     home), a GPU that has the precision, and positions for the sequence."""
     check_degrees(spec, plan, hardware)
+    partial = partial_blocks_error(plan.checkpointing, spec.total_layers)
+    if partial:
+        raise MemkitError(partial)
     if plan.precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
         raise MemkitError(f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32")
     if plan.seq_len > spec.max_position_embeddings and spec.position_embedding == "learned":
@@ -161,7 +166,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
 
     # -- activations of one micro-batch -------------------------------------------------------
     blk = block_activations(model, plan, device=device)
-    head = head_activations(model, plan, device=device)
+    head = loss_activations(model, plan, device=device)  # estimate/techniques.py: the plan's loss
     per_layer = blk.saved_bytes
     autocast_copy = head_copy = 0
     if num.autocast:
@@ -170,11 +175,17 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         autocast_copy = num.autocast * sum(
             lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
             for lin in model.layer_linears)
-        head_copy = num.autocast * model.vocab_size * model.hidden_size if last else 0
+        head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
     in_flight = _in_flight(plan, stage)
-    ckpt = plan.checkpointing == "full"
-    kept_per_layer = blk.input_bytes if ckpt else per_layer + autocast_copy
-    layers_act = n_layers * kept_per_layer * in_flight
+    # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why).
+    k_ckpt = checkpointed_blocks(plan.checkpointing, n_layers)
+    ckpt = k_ckpt > 0
+    full_block = per_layer + autocast_copy
+
+    def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
+        return (min(j, k_ckpt) * blk.input_bytes + max(0, j - k_ckpt) * full_block) * in_flight
+
+    layers_act = kept_below(n_layers)
 
     # -- gradients as they land ----------------------------------------------------------------
     # From the 2nd micro-batch on, all gradients are held -- except in a pipeline, where GPipe
@@ -212,7 +223,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
-    amp_cache = autocast_copy * n_layers if (num.autocast and ckpt and not plan.is_lora) else 0
+    amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan)
 
     phases: dict[str, dict[str, int]] = {}
@@ -224,15 +235,16 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                          "zero3_gathered_params": gather}
     moments = []
     if last:  # the loss backward, with every block's activations still saved
-        moments.append({**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
+        moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
+                        "activations": layers_act + embed_saved,
                         "logits_and_loss": head_saved + head.backward_peak_bytes,
                         "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
-        remaining = j * kept_per_layer * in_flight + embed_saved
-        if ckpt:  # recompute block j: its activations (and autocast copies) come back
+        remaining = kept_below(j) + embed_saved
+        if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
         else:
-            current = kept_per_layer
+            current = full_block
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -121,7 +122,10 @@ def flops_per_token(model: ModelSpec, plan: TrainingPlan) -> tuple[float, float]
     model_flops = dense_fwd + dense_bwd + attn_total
     # Full activation checkpointing recomputes each block's forward in backward: one more forward
     # (Korthikanti et al. 2022, Sec. 5; Chen et al. 2016).
-    recompute = (dense_fwd + attn_fwd) if plan.checkpointing == "full" else 0.0
+    # Partial checkpointing pays K/L of it; the chunked loss recomputes the logits
+    # (memkit/estimate/techniques.py).
+    recompute = (dense_fwd + attn_fwd) * recompute_share(plan, model.total_layers) \
+        + loss_recompute_flops_per_token(model, plan)
     return model_flops, recompute
 
 

@@ -361,7 +361,7 @@ def _cpu_offload_level(plan: TrainingPlan) -> int:
 
 def _lean_rank(plan: TrainingPlan) -> tuple:
     offload = (plan.offload_optimizer != "none") + (plan.offload_params != "none")
-    return (offload, plan.checkpointing == "full", not plan.overlap_comm)
+    return (offload, plan.checkpointing == "full", plan.loss != "standard", not plan.overlap_comm)
 
 
 def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
@@ -401,6 +401,8 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
+        if s.checkpointing == "full" and ev.request.checkpointing is None:
+            plan, best = _partial_checkpointing(ev, s, micros, lo, plan)
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
@@ -408,6 +410,33 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
+
+
+def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
+    """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
+    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
+    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
+    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index)."""
+    num_blocks = ev.request.model.total_layers
+    best, best_j = full, micros.index(full.micro_batch_size)
+    best_t = ev.speed(full).step_time_s
+    for j in sorted(range(lo + 1), key=lambda i: ev.speed(with_micro(s.with_(checkpointing="none"),
+                                                                          micros[i])).step_time_s):
+        base = with_micro(s, micros[j])
+        if ev.speed(base.with_(checkpointing="none")).step_time_s >= best_t:
+            break
+        k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
+        while k_lo < k_hi:
+            mid = (k_lo + k_hi) // 2
+            if ev.check(base.with_(checkpointing=str(mid))).reason:
+                k_lo = mid + 1
+            else:
+                k_hi = mid
+        plan = base if k_hi == num_blocks else base.with_(checkpointing=str(k_hi))
+        t = ev.speed(plan).step_time_s
+        if t < best_t:
+            best, best_j, best_t = plan, j, t
+    return best, best_j
 
 
 def _search_memory(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier):

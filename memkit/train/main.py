@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, CHECKPOINTING, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import RunConfig
 
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
     g.add_argument("--precision", choices=PRECISIONS)
     g.add_argument("--optimizer", choices=OPTIMIZERS)
-    g.add_argument("--checkpointing", choices=CHECKPOINTING)
+    g.add_argument("--checkpointing", type=checkpointing_type, help="none, full, or K (the first K blocks)")
+    g.add_argument("--loss", choices=LOSSES)
     g.add_argument("--attention", choices=ATTENTIONS)
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--grad-accum", type=int)
@@ -78,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
 def plan_flags(args: argparse.Namespace) -> dict:
     targets = args.lora_targets
     return {"precision": args.precision, "optimizer": args.optimizer, "checkpointing": args.checkpointing,
+            "loss": args.loss,
             "attention": args.attention, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
