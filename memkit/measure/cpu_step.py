@@ -60,12 +60,17 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     model = AutoModelForCausalLM.from_config(config, attn_implementation=plan.attention, dtype=dtype)
     model.train()
-    if plan.checkpointing == "full":
-        kwargs = {"use_reentrant": checkpoint_reentrant}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # The runner's code for checkpointing (all or the first K blocks) and the chunked loss (as the
+    # bundle's Trainer recipe wraps the model: model(**batch).loss) -- memkit/train/techniques.py.
+    from memkit.train.techniques import apply_checkpointing
+
+    apply_checkpointing(model, plan.checkpointing, reentrant=checkpoint_reentrant)
+    if plan.loss != "standard":
+        from memkit.train.chunked_loss import chunked_causal_lm
+        from memkit.train.techniques import refuse_on_cpu
+
+        refuse_on_cpu(plan)
+        model = chunked_causal_lm(model)
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 

@@ -41,6 +41,8 @@ from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_fina
 from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
+from memkit.train.chunked_loss import find_head
+from memkit.train.techniques import micro_loss_sum
 
 EXIT_OOM = 3
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -437,9 +439,8 @@ def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_ba
     for micro in micro_batches:
         batch = {k: v.to(device) for k, v in data.batch(micro).items()}
         with accelerator.accumulate(model):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum = causal_lm_loss_sum(logits, batch["labels"])
-            del logits
+            # The plan's loss: HF logits + causal_lm_loss_sum, or the chunked head (train/techniques.py).
+            loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
             accelerator.backward(loss_sum * scale)
             if not is_ds:
                 if accelerator.sync_gradients and clip > 0:

@@ -122,6 +122,10 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     flags = plan_flags(args)
     if plan is not None:
         check_flags(plan, flags)  # --micro-batch-size 4 against a plan of 2: one line, before any rank starts
+    from memkit.train.techniques import refuse_on_cpu
+
+    refuse_on_cpu(plan if plan is not None else TrainingPlan(**{k: v for k, v in flags.items()
+                                                               if k in ("loss", "optimizer") and v}))
     model_name = args.model or (plan_model_name(plan_doc) if plan_doc else None)
     if not model_name:
         raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "
