@@ -118,7 +118,8 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"| precision / optimizer | {plan['precision']} / {plan['optimizer']} |",
         f"| ZeRO | stage {plan['zero_stage']}, optimizer offload {plan['offload_optimizer']}, "
         f"param offload {plan['offload_params']} |",
-        f"| checkpointing / attention | {plan['checkpointing']} / {plan['attention']} |",
+        f"| checkpointing / attention | {_checkpointing_text(plan['checkpointing'])} / {plan['attention']} |",
+        f"| loss | {plan.get('loss', 'standard')} |",
         f"| tp / pp / dp | {plan['tp']} / {plan['pp']} / {plan['dp']} |",
     ]
     for split, how in (document.get("engines") or {}).items():
@@ -190,9 +191,15 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         "",
         "```python",
         f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs})",
+        *recipe.model_code,
     ]
     if recipe.peft_config is not None:
         lines += ["from peft import LoraConfig, get_peft_model",
                   f"model = get_peft_model(model, LoraConfig.from_pretrained({out_dir!r}))  # {PEFT_CONFIG_FILE}"]
     lines += ["```", "", f"Tokenize or pack the data to {recipe.max_length} tokens per sequence.", ""]
     return lines
+
+
+def _checkpointing_text(value: str) -> str:
+    """'3' -> 'first 3 blocks' (memkit/techniques.py: partial checkpointing covers the first K)."""
+    return value if value in ("none", "full") else f"first {value} blocks"

@@ -97,7 +97,13 @@ def build_optimizer(params, plan: TrainingPlan, *, lr: float = 1e-4, foreach: bo
 
         kwargs = {"lr": lr, "scale_parameter": False, "relative_step": False, "warmup_init": False}
         return Adafactor(params, **kwargs), {"name": "transformers.optimization.Adafactor", **kwargs}
-    raise MemkitError(f"--optimizer {plan.optimizer!r} is not measurable on CPU; use adamw, sgd or adafactor")
+    if plan.optimizer == "adamw-8bit":  # bitsandbytes 0.50 runs its blockwise 8-bit AdamW on CPU
+        import bitsandbytes as bnb
+
+        kwargs = {"lr": lr, "weight_decay": 0.0}
+        return bnb.optim.AdamW8bit(params, **kwargs), {"name": "bitsandbytes.optim.AdamW8bit", **kwargs}
+    raise MemkitError(f"--optimizer {plan.optimizer!r} is not measurable on CPU; use adamw, adamw-8bit, "
+                      "sgd or adafactor")
 
 
 def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:

@@ -369,7 +369,10 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
     for index, s in enumerate(structs):
         micros = micro_batch_options(ev.request, s.dp, s.pp)
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
-        entries.append((min(times), index, s, micros, times))
+        bound = min(times)
+        if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
+            bound = min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
+        entries.append((bound, index, s, micros, times))
     entries.sort(key=lambda e: (e[0], e[1]))
     pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
@@ -401,7 +404,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
-        if s.checkpointing == "full" and ev.request.checkpointing is None:
+        if _tries_partial(ev, s):
             plan, best = _partial_checkpointing(ev, s, micros, lo, plan)
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
@@ -410,6 +413,10 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
+
+
+def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
+    return s.checkpointing == "full" and ev.request.checkpointing is None and s.pp == 1
 
 
 def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
