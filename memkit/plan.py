@@ -14,7 +14,7 @@ from memkit.parallel import split_knob_error
 from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error  # noqa: F401
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
 OFFLOADS = ("none", "cpu", "nvme")
 ATTENTIONS = ("eager", "sdpa", "flash")
 HF_ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
@@ -138,7 +138,7 @@ class TrainingPlan:
                 "offload exists only in ZeRO-3; use --zero 3")
         if self.offload_params != "none" and self.engine != "deepspeed":
             raise MemkitError("parameter offload is a DeepSpeed feature; use engine deepspeed")
-        if self.optimizer in ("adamw-8bit", "adafactor") and self.offload_optimizer != "none":
+        if self.optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor") and self.offload_optimizer != "none":
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")

@@ -77,6 +77,8 @@ def loss_knob_error(loss: str, *, tp: int, pp: int) -> str | None:
 
 CPU_REFUSALS = {
     "fused": "--loss fused is liger-kernel's Triton kernel and needs a CUDA GPU; use --loss chunked on CPU",
+    "paged-adamw-8bit": "--optimizer paged-adamw-8bit keeps its states in CUDA unified memory and needs a "
+                        "CUDA GPU; use --optimizer adamw-8bit on CPU",
 }
 """Plan settings the runner refuses on a machine without CUDA (one line each)."""
 

@@ -158,7 +158,7 @@ def readme(document: dict, *, out_dir: str) -> str:
             f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
             "",
         ]
-    if plan["optimizer"] in ("adamw-8bit", "adafactor"):
+    if plan["optimizer"] in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]
     if plan["offload_optimizer"] == "nvme" or plan["offload_params"] == "nvme":

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
 from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
 
-HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
+            "adafactor": "adafactor", "sgd": "sgd"}
 """TrainingArguments.optim for each plan optimizer (transformers training_args.py, OptimizerNames).
 adamw_bnb_8bit is bitsandbytes' 8-bit AdamW and `adafactor` is transformers' Adafactor with
 scale_parameter=False, relative_step=False (transformers trainer_optimizer.py): the optimizers

@@ -51,7 +51,7 @@ NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
 al. 2021, Sec. 6.2) stripes several for more. Conservative on purpose: NVMe plans rank last."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 20, "sgd": 12}
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 20, "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter (Adam: fp32 master, m, v
 read and written, grad read, 16-bit copy written); the step is memory-bound (roofline, Williams
 et al. 2009), so time = bytes / HBM bandwidth."""

@@ -136,6 +136,10 @@ def build_optimizer(params, plan: TrainingPlan, run: RunConfig, *, cpu_offload: 
             raise MemkitError("--optimizer adamw-8bit needs bitsandbytes; pip install bitsandbytes "
                               "or use adamw") from None
         return bnb.optim.AdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
+    if plan.optimizer == "paged-adamw-8bit":  # CUDA unified memory; refused on CPU (memkit/techniques.py)
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
     raise MemkitError(f"unknown optimizer {plan.optimizer!r}")
 
 

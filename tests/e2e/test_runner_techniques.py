@@ -40,3 +40,29 @@ def test_zero3_chunked_loss_and_one_checkpointed_block_equal_the_plain_run(tmp_p
     pa, pb = final_params(plain / "final"), final_params(ours / "final")
     assert sorted(pa) == sorted(pb)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) <= 2e-6
+
+
+def test_zero2_adamw_8bit_tracks_adamw_and_its_estimate(tmp_path):
+    """bitsandbytes AdamW8bit in the runner (2 CPU processes, ZeRO-2 bf16, the script passes the
+    optimizer object to DeepSpeed): six steps track torch AdamW's losses (measured: within 3e-5
+    relative; its blockwise 8-bit states quantise m and v), and the measured peak is within the
+    estimator's 5 % of plan.json's prediction (measured 1.042x; AdamW 1.037x)."""
+    tiny = tmp_path / "tiny"
+    write_tiny_llama(tiny)
+    losses = {}
+    for optimizer in ("adamw", "adamw-8bit"):
+        plan = TrainingPlan(precision="bf16", zero_stage=2, optimizer=optimizer, micro_batch_size=2, seq_len=64,
+                            dp=2, reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000)
+        config, plan_path = write_bundle(tmp_path / f"bundle-{optimizer}", plan)
+        out = tmp_path / f"run-{optimizer}"
+        result = launch(config, ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA),
+                                 "--max-steps", "6", "--lr", "1e-3", "--lr-decay", "constant",
+                                 "--output-dir", str(out)])
+        assert result.returncode == 0, result.stdout[-4000:]
+        log = read_log(out)
+        losses[optimizer] = [s["loss"] for s in events(log, "step")]
+        end = events(log, "end")[-1]
+        assert end["measured_over_predicted"]["allocated_peak_bytes"] == pytest.approx(1.0, abs=0.05)
+    assert losses["adamw-8bit"][-1] < losses["adamw-8bit"][0] - 0.5
+    assert losses["adamw-8bit"] == pytest.approx(losses["adamw"], rel=1e-3)
+    assert losses["adamw-8bit"] != losses["adamw"]  # a different optimizer really ran

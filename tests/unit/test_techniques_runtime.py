@@ -132,3 +132,15 @@ def test_fused_loss_refused_on_cpu():
         pytest.skip("a CUDA machine may run liger-kernel")
     with pytest.raises(MemkitError, match="needs a CUDA GPU"):
         refuse_on_cpu(TrainingPlan(loss="fused"))
+
+
+def test_paged_adamw_8bit_refused_on_cpu_and_priced_as_8bit_states():
+    from memkit.estimate.states import optimizer_state_bytes_per_param
+    from memkit.plan import TrainingPlan
+
+    assert optimizer_state_bytes_per_param("paged-adamw-8bit", "bf16") == \
+        optimizer_state_bytes_per_param("adamw-8bit", "bf16") == 2 * (1 + 4 / 256)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine pages the states")
+    with pytest.raises(MemkitError, match="unified memory"):
+        refuse_on_cpu(TrainingPlan(optimizer="paged-adamw-8bit"))
