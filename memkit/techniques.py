@@ -87,7 +87,7 @@ def checkpointing_type(text: str) -> str:
     """argparse `type=` for --checkpointing: none, full, or K (argparse prints the error, exit 2)."""
     import argparse
 
-    error = checkpointing_error(text)
-    if error:
-        raise argparse.ArgumentTypeError(error.split(" ", 2)[2])
+    if checkpointing_error(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not none, full or a number of decoder blocks K > 0 "
+                                         "(the first K blocks are checkpointed)")
     return text

@@ -22,7 +22,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
-from memkit.estimate.techniques import head_grad_lands_early, loss_activations
+from memkit.estimate.techniques import head_grad_lands_early, loss_activations, loss_component
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
@@ -231,13 +231,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                       "zero3_gathered_params": gather}
     phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
                          "autocast_weight_copies": amp_cache,
-                         "logits_and_loss": head_saved + (head.forward_peak_bytes if last else 0),
+                         loss_component(plan): head_saved + (head.forward_peak_bytes if last else 0),
                          "zero3_gathered_params": gather}
     moments = []
     if last:  # the loss backward, with every block's activations still saved
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
                         "activations": layers_act + embed_saved,
-                        "logits_and_loss": head_saved + head.backward_peak_bytes,
+                        loss_component(plan): head_saved + head.backward_peak_bytes,
                         "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
         remaining = kept_below(j) + embed_saved

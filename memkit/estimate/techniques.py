@@ -73,3 +73,9 @@ def recompute_share(plan: TrainingPlan, num_blocks: int) -> float:
 def loss_recompute_flops_per_token(spec: ModelSpec, plan: TrainingPlan) -> float:
     """The chunked loss recomputes the logits in backward: one more head matmul."""
     return 2.0 * spec.hidden_size * spec.vocab_size if plan.loss == "chunked" else 0.0
+
+
+def loss_component(plan: TrainingPlan) -> str:
+    """Name of the loss's bytes in an estimate's components: 'logits_and_loss' (the full fp32
+    logits), 'chunked_loss' or 'fused_loss' (saved hidden states + one chunk's buffers)."""
+    return "logits_and_loss" if plan.loss == "standard" else f"{plan.loss}_loss"
