@@ -103,7 +103,9 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         ("optimizer", plan["optimizer"]),
         ("ZeRO stage", str(plan["zero_stage"])),
         ("offload", offload),
-        ("checkpointing", plan["checkpointing"]),
+        ("checkpointing", plan["checkpointing"] if plan["checkpointing"] in ("none", "full")
+         else f"first {plan['checkpointing']} blocks"),
+        ("loss", plan.get("loss", "standard")),
         ("attention", plan["attention"]),
         ("batch", f"micro {plan['micro_batch_size']} x accum {plan['grad_accum']} x dp {plan['dp']} = "
                   f"{seqs} sequences = {seqs * plan['seq_len']:,} tokens"),

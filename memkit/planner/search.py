@@ -204,6 +204,7 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
                 notes.append(f"no {tier_list[0].name}-tier plan (AdamW, mixed precision or fp32) fits; "
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
             chosen = found[0]
+            notes += _technique_notes(ev, chosen.plan)
             alternatives = _distinct(found[1:], chosen, num_alternatives)
             # Rejected plans that would have been faster: the "why not X?" the CLI answers.
             better = [r for r in tier_rejected if r.step_time_s < chosen.speed.step_time_s]
@@ -413,6 +414,25 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
+
+
+def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
+    """Why the chosen plan uses the chunked loss / partial checkpointing: what the plan would
+    need without it (memkit/techniques.py)."""
+    notes = []
+    gib = lambda plan_: device_peak_bytes(ev.check(plan_).estimate) / GIB if ev.check(plan_).estimate else 0.0
+    if plan.loss == "chunked" and ev.request.loss is None:
+        standard = plan.with_(loss="standard")
+        fits = "fits" if not ev.check(standard).reason else f"> {ev.budget / GIB:.1f} GiB budget"
+        notes.append(f"chunked loss: the full fp32 logits would make this plan {gib(standard):.1f} GiB "
+                     f"({fits}) instead of {gib(plan):.1f} GiB; it costs one more LM-head matmul in backward")
+    if plan.checkpointing not in ("none", "full"):
+        k, blocks = int(plan.checkpointing), ev.request.model.total_layers
+        fewer = plan.with_(checkpointing=str(k - 1) if k > 1 else "none")
+        notes.append(f"checkpointing the first {k} of {blocks} blocks: the fewest that fit "
+                     f"({k - 1} blocks: {gib(fewer):.1f} GiB > {ev.budget / GIB:.1f} GiB budget); the rest keep "
+                     "their activations, so only those recompute (Chen et al. 2016)")
+    return notes
 
 
 def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
