@@ -35,6 +35,13 @@ ROWS = [
     _single("gpt2-fp32-sdpa-ckpt1", "gpt2", checkpointing="1"),
     _single("qwen2-bf16-sdpa-ckpt3", "qwen2", precision="bf16", checkpointing="3"),
     _single("neox-bf16-eager-ckpt2", "gpt-neox", precision="bf16", attention="eager", checkpointing="2"),
+    # selective (per-op) checkpointing: matmul and attention outputs kept
+    _single("llama-fp32-sdpa-selective", "llama-gqa", checkpointing="selective"),
+    _single("gpt2-fp32-sdpa-selective", "gpt2", checkpointing="selective"),
+    _single("qwen2-bf16-sdpa-selective", "qwen2", precision="bf16", checkpointing="selective"),
+    _single("neox-bf16-eager-selective", "gpt-neox", precision="bf16", attention="eager", checkpointing="selective"),
+    _single("llama-fp32-sdpa-lora8-selective-chunked", "llama-gqa", lora_rank=8, checkpointing="selective",
+            loss="chunked"),
     # 8-bit AdamW (bitsandbytes AdamW8bit, blockwise states)
     _single("llama-fp32-sdpa-adamw8bit", "llama-gqa", optimizer="adamw-8bit"),
     _single("gpt2-bf16-sdpa-adamw8bit", "gpt2", precision="bf16", optimizer="adamw-8bit"),

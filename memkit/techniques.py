@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import math
 
-CHECKPOINTING = ("none", "full")
-"""Named checkpointing settings; an integer K (0 < K < number of blocks) is the partial one."""
+CHECKPOINTING = ("none", "full", "selective")
+"""Named checkpointing settings; an integer K (0 < K < number of blocks) is the partial one.
+'selective': every block, per op (torch.utils.checkpoint create_selective_checkpoint_contexts):
+the outputs of the matmuls and attention kernels are kept, the cheap ops between them recomputed
+(torchtitan's selective op AC, torchtitan/models/llama3/infra/parallelize.py _save_list)."""
 LOSSES = ("standard", "chunked", "fused")
 
 
@@ -38,7 +41,7 @@ def checkpointing_error(value: str) -> str | None:
 
 def checkpointed_blocks(checkpointing: str, num_blocks: int) -> int:
     """How many of `num_blocks` blocks a setting checkpoints (the first ones, see above)."""
-    if checkpointing == "full":
+    if checkpointing in ("full", "selective"):
         return num_blocks
     if checkpointing == "none":
         return 0
@@ -88,6 +91,6 @@ def checkpointing_type(text: str) -> str:
     import argparse
 
     if checkpointing_error(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not none, full or a number of decoder blocks K > 0 "
+        raise argparse.ArgumentTypeError(f"{text!r} is not none, full, selective or a number of decoder blocks K > 0 "
                                          "(the first K blocks are checkpointed)")
     return text

@@ -202,4 +202,6 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
 
 def _checkpointing_text(value: str) -> str:
     """'3' -> 'first 3 blocks' (memkit/techniques.py: partial checkpointing covers the first K)."""
-    return value if value in ("none", "full") else f"first {value} blocks"
+    from memkit.techniques import CHECKPOINTING
+
+    return value if value in CHECKPOINTING else f"first {value} blocks"

@@ -101,9 +101,10 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     whose forward returns .loss without logits; memkit/train/chunked_loss.py)."""
     lines = []
     if plan.checkpointing not in ("none", "full"):
+        what = ("every block, per op: matmul and attention outputs kept" if plan.checkpointing == "selective"
+                else f"the first {plan.checkpointing} decoder blocks")
         lines += ["from memkit.train.techniques import apply_checkpointing",
-                  f"apply_checkpointing(model, {plan.checkpointing!r})  # the first {plan.checkpointing} "
-                  "decoder blocks, non-reentrant"]
+                  f"apply_checkpointing(model, {plan.checkpointing!r})  # {what}, non-reentrant"]
     if plan.loss == "chunked":
         lines += ["from memkit.train.chunked_loss import chunked_causal_lm",
                   "model = chunked_causal_lm(model)  # the loss over chunks; logits are never materialised"]

@@ -22,7 +22,8 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
-from memkit.estimate.techniques import head_grad_lands_early, loss_activations, loss_component
+from memkit.estimate.techniques import (head_grad_lands_early, loss_activations, loss_component,
+                                       selective_kept_bytes)
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
@@ -182,8 +183,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     ckpt = k_ckpt > 0
     full_block = per_layer + autocast_copy
 
+    ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
+
     def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
-        return (min(j, k_ckpt) * blk.input_bytes + max(0, j - k_ckpt) * full_block) * in_flight
+        return (min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block) * in_flight
 
     layers_act = kept_below(n_layers)
 

@@ -67,6 +67,10 @@ def recompute_share(plan: TrainingPlan, num_blocks: int) -> float:
     """Share of full checkpointing's recompute the plan pays (K/L for partial)."""
     if num_blocks <= 0:
         return 0.0
+    if plan.checkpointing == "selective":
+        # Only the elementwise ops between the kept matmuls rerun: no matmul FLOPs (their memory
+        # traffic is not priced).
+        return 0.0
     return checkpointed_blocks(plan.checkpointing, num_blocks) / num_blocks
 
 
@@ -79,3 +83,26 @@ def loss_component(plan: TrainingPlan) -> str:
     """Name of the loss's bytes in an estimate's components: 'logits_and_loss' (the full fp32
     logits), 'chunked_loss' or 'fused_loss' (saved hidden states + one chunk's buffers)."""
     return "logits_and_loss" if plan.loss == "standard" else f"{plan.loss}_loss"
+
+
+def selective_kept_bytes(spec: ModelSpec, plan: TrainingPlan) -> int:
+    """Per block under selective checkpointing, what the policy keeps besides the block input:
+    the output of every matmul (aten mm/addmm/bmm; LoRA's two included) and of the attention
+    kernel (out + fp32 logsumexp), in the compute dtype (memkit/train/techniques.py's policy,
+    torchtitan's _save_list). Everything else is recomputed in backward."""
+    num = numerics(plan)
+    act = num.autocast or num.weight_itemsize
+    tokens = plan.micro_batch_size * plan.seq_len
+    tp = plan.tp
+    out = 0
+    targets = set(plan.lora_targets) if plan.is_lora else set()
+    for lin in spec.layer_linears:
+        split = tp if lin.tp_style != "replicate" else 1
+        out += lin.count * tokens * lin.out_features // split
+        if lin.name in targets:  # lora_A (rank) and lora_B (out) are matmuls too
+            out += lin.count * tokens * (plan.lora_rank + lin.out_features // split)
+    heads = spec.num_attention_heads // tp
+    attn = tokens * heads * spec.head_dim * act + heads * tokens * 4
+    if plan.attention == "eager":  # q @ k^T scores and probs @ v: two bmm outputs
+        attn = tokens * heads * plan.seq_len * act + tokens * heads * spec.head_dim * act
+    return out * act + attn

@@ -426,7 +426,7 @@ def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
         fits = "fits" if not ev.check(standard).reason else f"> {ev.budget / GIB:.1f} GiB budget"
         notes.append(f"chunked loss: the full fp32 logits would make this plan {gib(standard):.1f} GiB "
                      f"({fits}) instead of {gib(plan):.1f} GiB; it costs one more LM-head matmul in backward")
-    if plan.checkpointing not in ("none", "full"):
+    if plan.checkpointing.isdigit():
         k, blocks = int(plan.checkpointing), ev.request.model.total_layers
         fewer = plan.with_(checkpointing=str(k - 1) if k > 1 else "none")
         notes.append(f"checkpointing the first {k} of {blocks} blocks: the fewest that fit "

@@ -315,6 +315,8 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
     # Partial checkpointing (K blocks) is searched from each 'full' plan that fits (search.py
     # finds the smallest K); the chunked loss is a structure of its own (memkit/techniques.py).
+    # Selective checkpointing only when pinned: its recompute (elementwise, memory-bound ops) is
+    # not priced by the step-time model, which would take it for free.
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
     losses = [request.loss] if request.loss else (["standard", "chunked"] if tp * pp == 1 else ["standard"])
     accum = request.global_batch_size // dp
@@ -366,6 +368,8 @@ def describe(plan: TrainingPlan) -> str:
         parts.append(f"LoRA r{plan.lora_rank}")
     if plan.checkpointing == "full":
         parts.append("ckpt")
+    elif plan.checkpointing == "selective":
+        parts.append("selective ckpt")
     elif plan.checkpointing != "none":
         parts.append(f"ckpt {plan.checkpointing} blocks")
     if plan.loss != "standard":

@@ -20,6 +20,8 @@ def apply_checkpointing(model, checkpointing: str, *, reentrant: bool = False) -
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     kwargs = {"use_reentrant": reentrant}
+    if checkpointing == "selective":
+        kwargs["context_fn"] = _selective_context
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -32,6 +34,31 @@ def apply_checkpointing(model, checkpointing: str, *, reentrant: bool = False) -
     for block in blocks[k:]:
         block.gradient_checkpointing = False
     return list(range(k))
+
+
+def _save_list():
+    """Ops whose outputs selective checkpointing keeps: matmuls and attention kernels
+    (torchtitan/models/llama3/infra/parallelize.py _save_list); the rest is recomputed."""
+    import torch
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _selective_context():
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = _save_list()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)()
 
 
 def refuse_on_cpu(plan: TrainingPlan) -> None:

@@ -1,5 +1,5 @@
 """The estimator against measured memory for the memory-saving techniques: the chunked loss,
-partial checkpointing (first K of 4 blocks) and bitsandbytes' 8-bit AdamW, on Llama (GQA, untied
+partial checkpointing (first K of 4 blocks), selective checkpointing and bitsandbytes' 8-bit AdamW, on Llama (GQA, untied
 head), GPT-2 (tied head, dropout), Qwen2 (tied) and GPT-NeoX, single process and 2-rank DeepSpeed
 ZeRO-2/3. tests/golden/cpu_measurements_techniques.json is written by
 `python benchmarks/measure_cpu_techniques.py --out tests/golden/cpu_measurements_techniques.json`
@@ -42,9 +42,12 @@ def test_every_technique_is_measured_on_two_architectures():
         plan = row["plan"]
         if plan["loss"] != "standard":
             by_technique.setdefault("chunked loss", set()).add(row["arch"])
-        if plan["checkpointing"] not in ("none", "full"):
+        if plan["checkpointing"] == "selective":
+            by_technique.setdefault("selective checkpointing", set()).add(row["arch"])
+        elif plan["checkpointing"] not in ("none", "full"):
             by_technique.setdefault("partial checkpointing", set()).add(row["arch"])
         if plan["optimizer"] == "adamw-8bit":
             by_technique.setdefault("8-bit AdamW", set()).add(row["arch"])
     assert {k: len(v) >= 2 for k, v in by_technique.items()} == {
-        "chunked loss": True, "partial checkpointing": True, "8-bit AdamW": True}
+        "chunked loss": True, "partial checkpointing": True, "selective checkpointing": True,
+        "8-bit AdamW": True}

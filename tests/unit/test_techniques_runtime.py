@@ -144,3 +144,18 @@ def test_paged_adamw_8bit_refused_on_cpu_and_priced_as_8bit_states():
         pytest.skip("a CUDA machine pages the states")
     with pytest.raises(MemkitError, match="unified memory"):
         refuse_on_cpu(TrainingPlan(optimizer="paged-adamw-8bit"))
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_selective_checkpointing_same_gradients(name):
+    """--checkpointing selective: every block checkpointed per op (matmul / attention outputs
+    kept, the rest recomputed), gradients equal to the run without checkpointing."""
+    ids, labels = _batch(TINY[name]["vocab_size"])
+    plain = _model(name)
+    plain(input_ids=ids, labels=labels).loss.backward()
+    model = _model(name)
+    assert apply_checkpointing(model, "selective") == [0, 1, 2]
+    model(input_ids=ids, labels=labels).loss.backward()
+    grads = dict(plain.named_parameters())
+    for key, param in model.named_parameters():
+        assert _close(param.grad, grads[key].grad) <= REL, key
