@@ -1,7 +1,8 @@
 """The runner with the chunked loss and partial checkpointing (memkit/train/techniques.py):
 2 CPU processes under DeepSpeed ZeRO-3 (the stage the planner pairs them with for the README's
 main job), two SGD steps (update = lr * grad, so any gradient difference shows), against the
-same run with the standard loss and no checkpointing.
+same run with the standard loss and no checkpointing; once with 1 of 2 blocks checkpointed, once
+with selective checkpointing.
 
 Measured: equal losses (rel 1e-6) and final parameters within 6e-8 (float32 rounding of the
 reordered loss sum); asserted at 2e-6 like test_runner.py's accumulation equivalence.
@@ -18,11 +19,12 @@ SMALL_BUCKETS = dict(reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_0
                      stage3_prefetch_bucket_size=1_000_000, stage3_param_persistence_threshold=1_000)
 
 
-def test_zero3_chunked_loss_and_one_checkpointed_block_equal_the_plain_run(tmp_path):
+def test_zero3_chunked_loss_with_partial_or_selective_checkpointing_equals_the_plain_run(tmp_path):
     tiny = tmp_path / "tiny"
     write_tiny_llama(tiny)
     runs = {}
-    for name, knobs in (("plain", {}), ("techniques", {"loss": "chunked", "checkpointing": "1"})):
+    for name, knobs in (("plain", {}), ("techniques", {"loss": "chunked", "checkpointing": "1"}),
+                        ("selective", {"loss": "chunked", "checkpointing": "selective"})):
         plan = TrainingPlan(precision="fp32", zero_stage=3, optimizer="sgd", micro_batch_size=2, grad_accum=2,
                             seq_len=64, dp=2, gradient_clipping=0.0, **SMALL_BUCKETS, **knobs)
         config, plan_path = write_bundle(tmp_path / f"bundle-{name}", plan)
@@ -35,11 +37,13 @@ def test_zero3_chunked_loss_and_one_checkpointed_block_equal_the_plain_run(tmp_p
         start = events(log, "start")[-1]
         assert (start["plan"]["loss"], start["plan"]["checkpointing"]) == (plan.loss, plan.checkpointing)
         runs[name] = (out, [s["loss"] for s in events(log, "step")])
-    (plain, plain_losses), (ours, our_losses) = runs["plain"], runs["techniques"]
-    assert our_losses == pytest.approx(plain_losses, rel=1e-6)
-    pa, pb = final_params(plain / "final"), final_params(ours / "final")
-    assert sorted(pa) == sorted(pb)
-    assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) <= 2e-6
+    plain, plain_losses = runs.pop("plain")
+    pa = final_params(plain / "final")
+    for name, (ours, our_losses) in runs.items():
+        assert our_losses == pytest.approx(plain_losses, rel=1e-6), name
+        pb = final_params(ours / "final")
+        assert sorted(pa) == sorted(pb)
+        assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) <= 2e-6, name
 
 
 def test_zero2_adamw_8bit_tracks_adamw_and_its_estimate(tmp_path):
