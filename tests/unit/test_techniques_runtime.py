@@ -159,3 +159,27 @@ def test_selective_checkpointing_same_gradients(name):
     grads = dict(plain.named_parameters())
     for key, param in model.named_parameters():
         assert _close(param.grad, grads[key].grad) <= REL, key
+
+
+@pytest.mark.parametrize("checkpointing", ["2", "selective"])
+def test_trainer_recipe_model_code_runs_and_trains_the_plan(checkpointing):
+    """The bundle README's lines after from_pretrained, executed as a user would: the model then
+    has the plan's checkpointed blocks and the chunked loss, and Trainer's flag stays off (it
+    would checkpoint every block)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from memkit.emit.trainer import trainer_recipe
+    from memkit.plan import TrainingPlan
+    from memkit.train.chunked_loss import ChunkedLossHead
+
+    recipe = trainer_recipe(TrainingPlan(checkpointing=checkpointing, loss="chunked"))
+    assert recipe.arguments["gradient_checkpointing"] is False
+    scope = {"model": _model("llama")}
+    exec("\n".join(recipe.model_code), scope)
+    model = scope["model"]
+    flags = [b.gradient_checkpointing for b in model.modules() if isinstance(b, GradientCheckpointingLayer)]
+    assert flags == ([True, True, False] if checkpointing == "2" else [True, True, True])
+    assert isinstance(model.get_output_embeddings(), ChunkedLossHead)
+    ids, labels = _batch(TINY["llama"]["vocab_size"])
+    reference = _model("llama")(input_ids=ids, labels=labels).loss
+    assert _close(model(input_ids=ids, labels=labels).loss, reference) <= REL
