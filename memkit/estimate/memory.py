@@ -178,11 +178,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             for lin in model.layer_linears)
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
     in_flight = _in_flight(plan, stage)
-    # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why).
+    # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why), plus
+    # under selective checkpointing their matmul / attention outputs (estimate/techniques.py).
     k_ckpt = checkpointed_blocks(plan.checkpointing, n_layers)
     ckpt = k_ckpt > 0
     full_block = per_layer + autocast_copy
-
     ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
 
     def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
