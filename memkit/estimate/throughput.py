@@ -239,7 +239,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
     if plan.tp > 1:
         layers_here = model.total_layers / plan.pp
         act_b = tokens_micro * model.hidden_size * _param_bytes(plan)
-        num_allreduce = 4 + (2 if plan.checkpointing == "full" else 0)
+        num_allreduce = 4 + 2 * recompute_share(plan, model.total_layers)
         t_tp_micro = layers_here * num_allreduce * _ring_time_s(act_b, plan.tp, gpu.intra_node_gbps,
                                                                 allreduce=True)
 
