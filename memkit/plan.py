@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from memkit.errors import MemkitError
 from memkit.parallel import split_knob_error
+from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error  # noqa: F401
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
 OFFLOADS = ("none", "cpu", "nvme")
-CHECKPOINTING = ("none", "full")
 ATTENTIONS = ("eager", "sdpa", "flash")
 HF_ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 """transformers' attn_implementation for each plan attention (transformers modeling_utils.py,
@@ -39,7 +39,11 @@ class TrainingPlan:
     offload_optimizer: str = "none"
     offload_params: str = "none"
     checkpointing: str = "none"
-    """'full': HF gradient_checkpointing_enable(), one checkpoint per block."""
+    """'full': HF activation_checkpointing_enable(), one checkpoint per block; 'K' (digits):
+    the first K blocks only (memkit/techniques.py says which and why)."""
+    loss: str = "standard"
+    """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
+    liger-kernel's fused linear cross-entropy (CUDA only). memkit/techniques.py."""
     attention: str = "sdpa"
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -103,7 +107,13 @@ class TrainingPlan:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("offload-optimizer", self.offload_optimizer, OFFLOADS)
         _choice("offload-params", self.offload_params, OFFLOADS)
-        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        for error in (checkpointing_error(self.checkpointing),
+                      loss_knob_error(self.loss, tp=self.tp, pp=self.pp)):
+            if error:
+                raise MemkitError(error)
+        if self.checkpointing not in CHECKPOINTING and self.pp > 1:
+            raise MemkitError(f"--checkpointing {self.checkpointing} with --pp {self.pp}: partial "
+                              "checkpointing is priced for unsplit models; use none or full with --pp")
         _choice("attention", self.attention, ATTENTIONS)
         _choice("engine", self.engine, ENGINES)
         _choice("tp engine", self.tp_engine, TP_ENGINES)
@@ -131,7 +141,7 @@ class TrainingPlan:
                 "offload exists only in ZeRO-3; use --zero 3")
         if self.offload_params != "none" and self.engine != "deepspeed":
             raise MemkitError("parameter offload is a DeepSpeed feature; use engine deepspeed")
-        if self.optimizer in ("adamw-8bit", "adafactor") and self.offload_optimizer != "none":
+        if self.optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor") and self.offload_optimizer != "none":
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
 from memkit.units import format_bytes, parse_bytes
 
@@ -51,7 +52,11 @@ def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> No
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default(0))
     g.add_argument("--offload-optimizer", choices=OFFLOADS, default=default("none"))
     g.add_argument("--offload-params", choices=OFFLOADS, default=default("none"))
-    g.add_argument("--checkpointing", choices=CHECKPOINTING, default=default("none"))
+    g.add_argument("--checkpointing", type=checkpointing_type, default=default("none"),
+                   help="none, full, or K: the first K decoder blocks (memkit/techniques.py)")
+    g.add_argument("--loss", choices=LOSSES, default=default("standard"),
+                   help="standard (full fp32 logits), chunked (memkit's chunked cross-entropy), "
+                        "fused (liger-kernel, CUDA only)")
     g.add_argument("--attention", choices=ATTENTIONS, default=default("sdpa"))
     g.add_argument("--tp", type=int, default=default(1))
     g.add_argument("--pp", type=int, default=default(1))

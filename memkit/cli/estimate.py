@@ -39,7 +39,7 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
     return TrainingPlan(
         precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero,
         offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-        checkpointing=args.checkpointing, attention=args.attention,
+        checkpointing=args.checkpointing, loss=args.loss, attention=args.attention,
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
         dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
         lora_targets=lora_targets(args.lora_targets, model), engine=args.engine).validate()
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
              f"{hardware.num_nodes} {hardware.gpu.name}: {plan.precision}, ZeRO-{plan.zero_stage}"
              f"{', offload opt ' + plan.offload_optimizer if plan.offload_optimizer != 'none' else ''}"
              f"{', offload params ' + plan.offload_params if plan.offload_params != 'none' else ''}, "
-             f"ckpt {plan.checkpointing}, {plan.attention}, micro {plan.micro_batch_size} x seq "
+             f"ckpt {plan.checkpointing}, loss {plan.loss}, {plan.attention}, micro {plan.micro_batch_size} x seq "
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
     print(render_breakdown(est, title=title))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from memkit.cli.render import format_table
+from memkit.techniques import CHECKPOINTING
 from memkit.units import GIB
 
 HELP = "print a plan.json written by `memkit suggest --out` (optionally re-estimate it)"
@@ -106,7 +107,9 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         ("optimizer", plan["optimizer"]),
         ("ZeRO stage", str(plan["zero_stage"])),
         ("offload", offload),
-        ("checkpointing", plan["checkpointing"]),
+        ("checkpointing", plan["checkpointing"] if plan["checkpointing"] in CHECKPOINTING
+         else f"first {plan['checkpointing']} blocks"),
+        ("loss", plan.get("loss", "standard")),
         ("attention", plan["attention"]),
         ("batch", f"micro {plan['micro_batch_size']} x accum {plan['grad_accum']} x dp {plan['dp']} = "
                   f"{seqs} sequences = {seqs * plan['seq_len']:,} tokens"),

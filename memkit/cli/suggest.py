@@ -9,7 +9,8 @@ import time
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, CHECKPOINTING, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.techniques import LOSSES, checkpointing_type
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
 
@@ -32,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--offload-params", choices=OFFLOADS)
     pins.add_argument("--no-offload", action="store_true", help="never offload to CPU or NVMe")
     pins.add_argument("--nvme-path", help="local NVMe mount; NVMe offload is considered only with it")
-    pins.add_argument("--checkpointing", choices=CHECKPOINTING)
+    pins.add_argument("--checkpointing", type=checkpointing_type,
+                      help="none, full, or K (the first K blocks); default: the planner picks the smallest "
+                           "K that fits")
+    pins.add_argument("--loss", choices=LOSSES,
+                      help="default: standard, or chunked when the logits keep a plan from fitting")
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
@@ -91,7 +96,7 @@ def request_from_args(args: argparse.Namespace):
         headroom=parse_headroom(args.headroom), objective=args.objective, precision=args.precision,
         optimizer=args.optimizer, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
-        checkpointing=args.checkpointing, attention=args.attention, max_micro_batch=args.max_micro_batch,
+        checkpointing=args.checkpointing, loss=args.loss, attention=args.attention, max_micro_batch=args.max_micro_batch,
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         pp=parse_degree(args.pp, "--pp"),
         split="auto").validate()

@@ -174,7 +174,8 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"| precision / optimizer | {plan['precision']} / {plan['optimizer']} |",
         f"| ZeRO | stage {plan['zero_stage']}, optimizer offload {plan['offload_optimizer']}, "
         f"param offload {plan['offload_params']} |",
-        f"| checkpointing / attention | {plan['checkpointing']} / {plan['attention']} |",
+        f"| checkpointing / attention | {_checkpointing_text(plan['checkpointing'])} / {plan['attention']} |",
+        f"| loss | {plan.get('loss', 'standard')} |",
         f"| tp / pp / dp | {plan['tp']} / {plan['pp']} / {plan['dp']} |",
     ]
     for split, how in (document.get("engines") or {}).items():
@@ -213,7 +214,7 @@ def readme(document: dict, *, out_dir: str) -> str:
             f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
             "",
         ]
-    if plan["optimizer"] in ("adamw-8bit", "adafactor"):
+    if plan["optimizer"] in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]
     if plan["offload_optimizer"] == "nvme" or plan["offload_params"] == "nvme":
@@ -246,9 +247,17 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         "",
         "```python",
         f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs})",
+        *recipe.model_code,
     ]
     if recipe.peft_config is not None:
         lines += ["from peft import LoraConfig, get_peft_model",
                   f"model = get_peft_model(model, LoraConfig.from_pretrained({out_dir!r}))  # {PEFT_CONFIG_FILE}"]
     lines += ["```", "", f"Tokenize or pack the data to {recipe.max_length} tokens per sequence.", ""]
     return lines
+
+
+def _checkpointing_text(value: str) -> str:
+    """'3' -> 'first 3 blocks' (memkit/techniques.py: partial checkpointing covers the first K)."""
+    from memkit.techniques import CHECKPOINTING
+
+    return value if value in CHECKPOINTING else f"first {value} blocks"

@@ -137,7 +137,7 @@ def _optimizer_block(plan: TrainingPlan, *, lr: float, weight_decay: float) -> d
     if plan.optimizer == "sgd":
         # Unknown names fall through to torch.optim (runtime/engine.py, _configure_basic_optimizer).
         return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM, "weight_decay": weight_decay}}
-    return None  # adamw-8bit, adafactor: the script passes the optimizer object
+    return None  # adamw-8bit, paged-adamw-8bit, adafactor: the script passes the optimizer object
 
 
 def _offload(device: str, nvme_path: str) -> dict:

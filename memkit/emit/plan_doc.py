@@ -93,7 +93,7 @@ def request_dict(request) -> dict:
            "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
            "split": request.split}
     for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
-                "checkpointing", "max_micro_batch", "tp", "pp"):
+                "checkpointing", "loss", "max_micro_batch", "tp", "pp"):
         value = getattr(request, key)
         if value is not None:
             out[key] = value

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
 from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
 
-HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
+            "adafactor": "adafactor", "sgd": "sgd"}
 """TrainingArguments.optim for each plan optimizer (transformers training_args.py, OptimizerNames).
 adamw_bnb_8bit is bitsandbytes' 8-bit AdamW and `adafactor` is transformers' Adafactor with
 scale_parameter=False, relative_step=False (transformers trainer_optimizer.py): the optimizers
@@ -43,6 +44,8 @@ class TrainerRecipe:
     """peft LoraConfig fields (the bundle writes them to PEFT_CONFIG_FILE); None: full fine-tuning."""
     max_length: int = 2048
     """Tokens per training sequence: tokenize / pack the data to this length (Trainer has no flag)."""
+    model_code: tuple[str, ...] = ()
+    """Python lines to run on the model after from_pretrained (partial checkpointing, chunked loss)."""
 
     def flags(self, *, deepspeed_path: str | None = None) -> list[str]:
         """The command-line flags, as HfArgumentParser(TrainingArguments) parses them."""
@@ -72,6 +75,10 @@ def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: flo
         "optim": HF_OPTIM[plan.optimizer],
         "gradient_checkpointing": plan.checkpointing == "full",
     }
+    if plan.loss == "fused":
+        # Trainer applies liger-kernel's patches, fused linear cross-entropy included
+        # (transformers training_args.py use_liger_kernel; liger_kernel.transformers).
+        args["use_liger_kernel"] = True
     if plan.checkpointing == "full":
         # Non-reentrant, as memkit's runner does (memkit/train/model.py, apply_plan).
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
@@ -87,7 +94,25 @@ def lora_config(plan: TrainingPlan) -> dict | None:
             "lora_dropout": plan.lora_dropout, "target_modules": list(plan.lora_targets), "bias": "none"}
 
 
+def model_code(plan: TrainingPlan) -> tuple[str, ...]:
+    """What the model needs besides TrainingArguments: partial checkpointing (Trainer's
+    --gradient_checkpointing would checkpoint every block, so it stays off and the first K blocks
+    are set here; memkit/techniques.py says why the first) and the chunked loss (a model wrapper
+    whose forward returns .loss without logits; memkit/train/chunked_loss.py)."""
+    lines = []
+    if plan.checkpointing not in ("none", "full"):
+        what = ("every block, per op: matmul and attention outputs kept" if plan.checkpointing == "selective"
+                else f"the first {plan.checkpointing} decoder blocks")
+        lines += ["from memkit.train.techniques import apply_checkpointing",
+                  f"apply_checkpointing(model, {plan.checkpointing!r})  # {what}, non-reentrant"]
+    if plan.loss == "chunked":
+        lines += ["from memkit.train.chunked_loss import chunked_causal_lm",
+                  "model = chunked_causal_lm(model)  # the loss over chunks; logits are never materialised"]
+    return tuple(lines)
+
+
 def trainer_recipe(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> TrainerRecipe:
     return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
                          model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
-                         peft_config=lora_config(plan), max_length=plan.seq_len)
+                         peft_config=lora_config(plan), max_length=plan.seq_len,
+                         model_code=model_code(plan))

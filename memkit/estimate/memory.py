@@ -21,18 +21,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations, head_activations, numerics
+from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.bounds import QUANTILE, margin, plan_kind
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
+from memkit.estimate.techniques import (head_grad_lands_early, loss_activations, loss_component,
+                                       selective_kept_bytes)
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES, Stack, behaviour
+from memkit.techniques import checkpointed_blocks, partial_blocks_error
 from memkit.units import GIB
 
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
@@ -46,6 +49,9 @@ def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> N
     """What the estimator needs before pricing: the degree checks (memkit.parallel, their one
     home), a GPU that has the precision, and positions for the sequence."""
     check_degrees(spec, plan, hardware)
+    partial = partial_blocks_error(plan.checkpointing, spec.total_layers)
+    if partial:
+        raise MemkitError(partial)
     if plan.precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
         raise MemkitError(f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32")
     if plan.seq_len > spec.max_position_embeddings and spec.position_embedding == "learned":
@@ -193,7 +199,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
 
     # -- activations of one micro-batch -------------------------------------------------------
     blk = block_activations(model, plan, device=device)
-    head = head_activations(model, plan, device=device)
+    head = loss_activations(model, plan, device=device)  # estimate/techniques.py: the plan's loss
     per_layer = blk.saved_bytes
     autocast_copy = head_copy = 0
     if num.autocast:
@@ -203,11 +209,19 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
             for lin in model.layer_linears  # MoE experts' grouped_mm is not autocast (transformers moe.py)
             if not lin.role.startswith("expert"))
-        head_copy = num.autocast * model.vocab_size * model.hidden_size if last else 0
+        head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
     in_flight = _in_flight(plan, stage)
-    ckpt = plan.checkpointing == "full"
-    kept_per_layer = blk.input_bytes if ckpt else per_layer + autocast_copy
-    layers_act = n_layers * kept_per_layer * in_flight
+    # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why), plus
+    # under selective checkpointing their matmul / attention outputs (estimate/techniques.py).
+    k_ckpt = checkpointed_blocks(plan.checkpointing, n_layers)
+    ckpt = k_ckpt > 0
+    full_block = per_layer + autocast_copy
+    ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
+
+    def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
+        return (min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block) * in_flight
+
+    layers_act = kept_below(n_layers)
 
     # -- gradients as they land ----------------------------------------------------------------
     # From the 2nd micro-batch on, all gradients are held -- except in a pipeline, where GPipe
@@ -245,7 +259,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
-    amp_cache = autocast_copy * n_layers if (num.autocast and ckpt and not plan.is_lora) else 0
+    amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan)
 
     phases: dict[str, dict[str, int]] = {}
@@ -253,22 +267,24 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                       "zero3_gathered_params": gather}
     # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py).
     shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
-                  if (habits.shifted_logits_copy and last and model.kind == "decoder") else 0)
+                  if (habits.shifted_logits_copy and last and model.kind == "decoder"
+                      and plan.loss == "standard") else 0)
     phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
                          "autocast_weight_copies": amp_cache,
-                         "logits_and_loss": head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
+                         loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
                          "zero3_gathered_params": gather}
     moments = []
     if last:  # the loss backward, with every block's activations still saved
-        moments.append({**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
-                        "logits_and_loss": head_saved + head.backward_peak_bytes,
+        moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
+                        "activations": layers_act + embed_saved,
+                        loss_component(plan): head_saved + head.backward_peak_bytes,
                         "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
-        remaining = j * kept_per_layer * in_flight + embed_saved
-        if ckpt:  # recompute block j: its activations (and autocast copies) come back
+        remaining = kept_below(j) + embed_saved
+        if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
         else:
-            current = kept_per_layer
+            current = full_block
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
@@ -291,8 +307,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
 
     # -- the steady-state step replayed through the allocator ------------------------------------
     after_step = {**phases["optimizer_step"], "gradients": fwd_grads, "optimizer_step_temporaries": 0}
-    fwd_walk = [{**phases["forward"], "logits_and_loss": 0,
-                 "activations": k * kept_per_layer * in_flight + embed_saved,
+    fwd_walk = [{**phases["forward"], loss_component(plan): 0,
+                 "activations": kept_below(k) + embed_saved,
                  "autocast_weight_copies": amp_cache * k // max(1, n_layers)}
                 for k in range(n_layers + 1)]
     step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
@@ -382,8 +398,11 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
         out["activations"] = tuple(v for v in blk.by_label.values() if v) or (blk.saved_bytes,)
     # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
     logits = tokens * model.vocab_size // max(1, tp)
-    out["logits_and_loss"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
-                              max(1, logits * 4), max(1, logits * 4))
+    if plan.loss == "standard":
+        out["logits_and_loss"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
+                                  max(1, logits * 4), max(1, logits * 4))
+    else:  # chunked / fused: the saved hidden states, then one chunk's buffers (estimate/techniques.py)
+        out[loss_component(plan)] = (max(1, head.saved_bytes), max(1, head.forward_peak_bytes))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)
     return out
 

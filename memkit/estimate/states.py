@@ -47,16 +47,21 @@ class RankParams:
 def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
     """Bytes of optimizer state per trainable parameter.
     AdamW: m and v (Loshchilov & Hutter 2019); fp32 unless the plan is bf16-pure.
-    adamw-8bit: two uint8 states + one fp32 absmax per 2048-element block for each
-    (Dettmers et al. 2022, Sec. 2, bitsandbytes block size 2048).
+    adamw-8bit: two uint8 states + one fp32 absmax per 256-element block for each
+    (Dettmers et al. 2022, Sec. 2; bitsandbytes 0.50 optim/optimizer.py Optimizer2State.init_state:
+    blocksize = 256). Tensors under min_8bit_size (4096 elements) keep fp32 states there; they
+    are norms and biases, too small to count here.
+    paged-adamw-8bit: the same states in CUDA unified memory (bitsandbytes optim/optimizer.py,
+    get_state_buffer(paged=True) -> functional.get_paged, cudaMallocManaged): on the GPU while
+    it has room, paged to host RAM under pressure; priced as resident (the no-pressure case).
     adafactor: factored second moment, ~(rows+cols) per matrix -- negligible per parameter
     (Shazeer & Stern 2018, Sec. 3); we count 4 bytes per 256 parameters for the factors.
     sgd: one momentum buffer (torch.optim.SGD with momentum > 0)."""
     state = 2 if precision == "bf16-pure" else 4
     if optimizer == "adamw":
         return 2 * state
-    if optimizer == "adamw-8bit":
-        return 2 * (1 + 4 / 2048)
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+        return 2 * (1 + 4 / 256)
     if optimizer == "adafactor":
         return 4 / 256
     return state  # sgd with momentum

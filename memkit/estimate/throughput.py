@@ -20,6 +20,7 @@ from functools import lru_cache
 
 from memkit.estimate import kernels
 from memkit.estimate.flops import train_flops_per_token
+from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
 from memkit.spec.hardware import GPU, Hardware
@@ -62,17 +63,19 @@ NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
 al. 2021, Sec. 6.2) stripes several for more."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "adafactor": 68, "sgd": 12}
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 68,
+                                 "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
 AdamW (fused / foreach): fp32 param, grad, m, v read (16) and param, m, v written (12) + the
 16-bit copy (4 with its read). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
-and v read and written (4), param written (2 for its 16-bit copy). Adafactor
+and v read and written (4), param written (2 for its 16-bit copy); the paged variant runs the
+same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
 (transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
 the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
 and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
 momentum: param, grad, buffer read, param and buffer written (12 with the copy)."""
 
-OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0, "sgd": 0, "adamw-8bit": 3, "adafactor": 15}
+OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0, "sgd": 0, "adamw-8bit": 3, "paged-adamw-8bit": 3, "adafactor": 15}
 """Python-issued ops per parameter tensor in the optimizer step, where the implementation loops
 over tensors: torch AdamW/SGD use the multi-tensor (foreach) path by default on CUDA
 (torch/optim/adamw.py _multi_tensor_adamw), a few launches in all; bitsandbytes AdamW8bit calls
@@ -146,9 +149,12 @@ def flops_per_token(model: ModelSpec, plan: TrainingPlan) -> tuple[float, float]
     width = model.num_attention_heads * model.head_dim
     total = train_flops_per_token(matmul_params=n, trainable_matmul_params=trainable,
                                   num_layers=model.total_layers, attention_width=width, seq_len=plan.seq_len)
-    # Full checkpointing re-runs each block's forward in backward (Chen et al. 2016; Korthikanti
-    # et al. 2022, Sec. 5): 2N + the forward third of the attention term.
-    recompute = (2.0 * n + 4.0 * model.total_layers * width * plan.seq_len) if plan.checkpointing == "full" else 0.0
+    # Checkpointing re-runs each checkpointed block's forward in backward (Chen et al. 2016;
+    # Korthikanti et al. 2022, Sec. 5): 2N + the forward third of the attention term, times K/L for
+    # partial checkpointing (selective re-runs no matmul); the chunked loss re-runs the head matmul
+    # (memkit/estimate/techniques.py).
+    recompute = ((2.0 * n + 4.0 * model.total_layers * width * plan.seq_len) * recompute_share(plan, model.total_layers)
+                 + loss_recompute_flops_per_token(model, plan))
     return total, recompute
 
 
@@ -299,7 +305,18 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) 
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
-    recompute = fwd_only.fwd_s / plan.pp if plan.checkpointing == "full" else 0.0
+    # What backward re-runs (memkit/techniques.py, estimate/techniques.py): the forward of the K
+    # checkpointed blocks; under selective checkpointing only the elementwise ops between the kept
+    # matmul / attention outputs; under the chunked loss the head matmul of each chunk.
+    share = recompute_share(plan, model.total_layers)
+    recompute = fwd_only.fwd_s / plan.pp * share
+    if plan.checkpointing == "selective":
+        num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
+        recompute += (_elementwise_pass(gpu, plan, model, num_attn, tokens).fwd_s
+                      * model.total_layers / plan.pp)
+    if plan.loss == "chunked":
+        v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+        recompute += kernels.gemm_time_s(gpu, plan.precision, tokens, v, model.hidden_size) / plan.pp
     if _amp_fp32_weights(plan):
         # autocast re-casts every fp32 weight to 16 bits in each forward (4 B read + 2 B written;
         # its cast cache lives for one autocast region, so the recompute casts again), and
@@ -308,7 +325,7 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) 
         trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
         cast = kernels.memory_time_s(gpu, 6 * n)
         total = total + _Pass(cast, kernels.memory_time_s(gpu, 10 * trainable), 0)
-        recompute += cast if plan.checkpointing == "full" else 0.0
+        recompute += cast * share
     return total, recompute
 
 
@@ -484,7 +501,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
     passes, t_recompute = _micro_compute(gpu, plan, model, tokens)
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
-    ops = passes.num_ops * (4 if plan.checkpointing == "full" else 3) // 3
+    ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
     t_host = ops * OP_DISPATCH_S
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute)
@@ -497,7 +514,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
     t_tp = 0.0
     if plan.tp > 1:
         act = tokens * model.hidden_size * _elt(plan)
-        per_block = 4 + (2 if plan.checkpointing == "full" else 0)
+        per_block = 4 + 2 * recompute_share(plan, model.total_layers)
         tp_link = _intra_link(gpu) if plan.tp <= hardware.num_gpus_per_node else _Link(hardware.inter_node_gbps, "net")
         t_tp = model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
 

@@ -63,12 +63,17 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     auto = getattr(transformers, auto_class_for(config))  # causal LM, else seq2seq (T5), else masked LM
     model = auto.from_config(config, attn_implementation=plan.attention, dtype=dtype)
     model.train()
-    if plan.checkpointing == "full":
-        kwargs = {"use_reentrant": checkpoint_reentrant}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # The runner's code for checkpointing (all or the first K blocks) and the chunked loss (as the
+    # bundle's Trainer recipe wraps the model: model(**batch).loss) -- memkit/train/techniques.py.
+    from memkit.train.techniques import apply_checkpointing
+
+    apply_checkpointing(model, plan.checkpointing, reentrant=checkpoint_reentrant)
+    if plan.loss != "standard":
+        from memkit.train.chunked_loss import chunked_causal_lm
+        from memkit.train.techniques import refuse_on_cpu
+
+        refuse_on_cpu(plan)
+        model = chunked_causal_lm(model)
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -96,7 +101,13 @@ def build_optimizer(params, plan: TrainingPlan, *, lr: float = 1e-4, foreach: bo
 
         kwargs = {"lr": lr, "scale_parameter": False, "relative_step": False, "warmup_init": False}
         return Adafactor(params, **kwargs), {"name": "transformers.optimization.Adafactor", **kwargs}
-    raise MemkitError(f"--optimizer {plan.optimizer!r} is not measurable on CPU; use adamw, sgd or adafactor")
+    if plan.optimizer == "adamw-8bit":  # bitsandbytes 0.50 runs its blockwise 8-bit AdamW on CPU
+        import bitsandbytes as bnb
+
+        kwargs = {"lr": lr, "weight_decay": 0.0}
+        return bnb.optim.AdamW8bit(params, **kwargs), {"name": "bitsandbytes.optim.AdamW8bit", **kwargs}
+    raise MemkitError(f"--optimizer {plan.optimizer!r} is not measurable on CPU; use adamw, adamw-8bit, "
+                      "sgd or adafactor")
 
 
 def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:

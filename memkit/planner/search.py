@@ -227,6 +227,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
             found, risk_note = _prefer_low_risk(request, found)
             notes += [risk_note] if risk_note else []
             chosen = found[0]
+            notes += _technique_notes(ev, chosen.plan)
             alternatives = _distinct(found[1:], chosen, num_alternatives)
             # Rejected plans that would have been faster: the "why not X?" the CLI answers.
             better = [r for r in tier_rejected if r.step_time_s < chosen.speed.step_time_s]
@@ -428,7 +429,7 @@ def _cpu_offload_level(plan: TrainingPlan) -> int:
 
 def _lean_rank(plan: TrainingPlan) -> tuple:
     offload = (plan.offload_optimizer != "none") + (plan.offload_params != "none")
-    return (offload, plan.checkpointing == "full", not plan.overlap_comm)
+    return (offload, plan.checkpointing == "full", plan.loss != "standard", not plan.overlap_comm)
 
 
 def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
@@ -436,7 +437,10 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
     for index, s in enumerate(structs):
         micros = micro_batch_options(ev.request, s.dp, s.pp)
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
-        entries.append((min(times), index, s, micros, times))
+        bound = min(times)
+        if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
+            bound = min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
+        entries.append((bound, index, s, micros, times))
     entries.sort(key=lambda e: (e[0], e[1]))
     pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
@@ -468,6 +472,8 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
+        if _tries_partial(ev, s):
+            plan, best = _partial_checkpointing(ev, s, micros, lo, plan)
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
@@ -475,6 +481,56 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
+
+
+def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
+    """Why the chosen plan uses the chunked loss / partial checkpointing: what the plan would
+    need without it (memkit/techniques.py)."""
+    notes = []
+    gib = lambda plan_: device_peak_bytes(ev.check(plan_).estimate) / GIB if ev.check(plan_).estimate else 0.0
+    if plan.loss == "chunked" and ev.request.loss is None:
+        standard = plan.with_(loss="standard")
+        fits = "fits" if not ev.check(standard).reason else f"> {ev.budget / GIB:.1f} GiB budget"
+        notes.append(f"chunked loss: the full fp32 logits would make this plan {gib(standard):.1f} GiB "
+                     f"({fits}) instead of {gib(plan):.1f} GiB; it costs one more LM-head matmul in backward")
+    if plan.checkpointing.isdigit():
+        k, blocks = int(plan.checkpointing), ev.request.model.total_layers
+        fewer = plan.with_(checkpointing=str(k - 1) if k > 1 else "none")
+        notes.append(f"checkpointing the first {k} of {blocks} blocks: the fewest that fit "
+                     f"({k - 1} blocks: {gib(fewer):.1f} GiB > {ev.budget / GIB:.1f} GiB budget); the rest keep "
+                     "their activations, so only those recompute (Chen et al. 2016)")
+    return notes
+
+
+def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
+    return s.checkpointing == "full" and ev.request.checkpointing is None and s.pp == 1
+
+
+def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
+    """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
+    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
+    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
+    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index)."""
+    num_blocks = ev.request.model.total_layers
+    best, best_j = full, micros.index(full.micro_batch_size)
+    best_t = ev.speed(full).step_time_s
+    for j in sorted(range(lo + 1), key=lambda i: ev.speed(with_micro(s.with_(checkpointing="none"),
+                                                                          micros[i])).step_time_s):
+        base = with_micro(s, micros[j])
+        if ev.speed(base.with_(checkpointing="none")).step_time_s >= best_t:
+            break
+        k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
+        while k_lo < k_hi:
+            mid = (k_lo + k_hi) // 2
+            if ev.check(base.with_(checkpointing=str(mid))).reason:
+                k_lo = mid + 1
+            else:
+                k_hi = mid
+        plan = base if k_hi == num_blocks else base.with_(checkpointing=str(k_hi))
+        t = ev.speed(plan).step_time_s
+        if t < best_t:
+            best, best_j, best_t = plan, j, t
+    return best, best_j
 
 
 def _search_memory(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier):

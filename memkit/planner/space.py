@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from memkit.errors import MemkitError
 from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              validate_parallel)
-from memkit.plan import CHECKPOINTING, MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.plan import MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.techniques import checkpointing_error, loss_knob_error, partial_blocks_error
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 
@@ -60,6 +61,10 @@ class Request:
     nvme_path: str | None = None
     """NVMe offload is searched only when the user names a path to put it on."""
     checkpointing: str | None = None
+    """None: the planner tries none, then the smallest number of checkpointed blocks K that fits,
+    then full (memkit/techniques.py)."""
+    loss: str | None = None
+    """None: the planner tries the standard loss and the chunked one (memkit/techniques.py)."""
     attention: str = "sdpa"
     max_micro_batch: int | None = None
     lora_rank: int = 0
@@ -106,8 +111,12 @@ class Request:
                               "only under ZeRO 1-3 (bf16_master_weights_and_grads); use --zero 1 or higher")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise MemkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
-            raise MemkitError(f"--checkpointing {self.checkpointing!r} is not one of {', '.join(CHECKPOINTING)}")
+        for error in (checkpointing_error(self.checkpointing) if self.checkpointing is not None else None,
+                      partial_blocks_error(self.checkpointing, model.total_layers)
+                      if self.checkpointing is not None else None,
+                      loss_knob_error(self.loss, tp=self.tp or 1, pp=self.pp or 1) if self.loss else None):
+            if error:
+                raise MemkitError(error)
         for flag, value in (("--offload-optimizer", self.offload_optimizer), ("--offload-params", self.offload_params)):
             if value is not None and value not in OFFLOADS:
                 raise MemkitError(f"{flag} {value!r} is not one of {', '.join(OFFLOADS)}")
@@ -147,7 +156,8 @@ class Request:
                 optimizer=self.optimizer or "adamw", zero_stage=zero,
                 offload_optimizer=self.offload_optimizer or "none",
                 offload_params=self.offload_params or "none",
-                checkpointing=self.checkpointing or "none", attention=self.attention,
+                checkpointing=self.checkpointing or "none", loss=self.loss or "standard",
+                attention=self.attention,
                 seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets,
                 tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp))
             try:
@@ -326,7 +336,12 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
     zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
+    # Partial checkpointing (K blocks) is searched from each 'full' plan that fits (search.py
+    # finds the smallest K); the chunked loss is a structure of its own (memkit/techniques.py).
+    # Selective checkpointing only when pinned: its recompute (elementwise, memory-bound ops) is
+    # not priced by the step-time model, which would take it for free.
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
+    losses = [request.loss] if request.loss else (["standard", "chunked"] if tp * pp == 1 else ["standard"])
     accum = request.global_batch_size // dp
     out: list[TrainingPlan] = []
     for precision in tier.precisions:
@@ -337,10 +352,11 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                 combos = _offload_combos(request, zero)
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
-                        for ckpt in ckpts:
+                        for ckpt, loss in ((c, lo) for c in ckpts for lo in losses):
                             plan = TrainingPlan(
                                 precision=precision, optimizer=optimizer, zero_stage=zero,
                                 offload_optimizer=off_opt, offload_params=off_par, checkpointing=ckpt,
+                                loss=loss,
                                 attention=request.attention, micro_batch_size=1, grad_accum=accum,
                                 seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
@@ -373,8 +389,14 @@ def describe(plan: TrainingPlan) -> str:
         parts.append(plan.optimizer)
     if plan.is_lora:
         parts.append(f"LoRA r{plan.lora_rank}")
-    if plan.checkpointing != "none":
+    if plan.checkpointing == "full":
         parts.append("ckpt")
+    elif plan.checkpointing == "selective":
+        parts.append("selective ckpt")
+    elif plan.checkpointing != "none":
+        parts.append(f"ckpt {plan.checkpointing} blocks")
+    if plan.loss != "standard":
+        parts.append(f"{plan.loss} loss")
     if plan.tp > 1:
         parts.append(f"tp{plan.tp}")
     if plan.pp > 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
-PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "attention", "micro_batch_size", "grad_accum",
+PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "micro_batch_size", "grad_accum",
               "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
 SCALE_LR = ("none", "linear", "sqrt")

@@ -46,6 +46,8 @@ from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 from memkit.train import split_checkpoint
+from memkit.train.chunked_loss import find_head
+from memkit.train.techniques import micro_loss_sum
 
 EXIT_OOM = 3
 EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
@@ -139,6 +141,10 @@ def build_optimizer(params, plan: TrainingPlan, run: RunConfig, *, cpu_offload: 
             raise MemkitError("--optimizer adamw-8bit needs bitsandbytes; pip install bitsandbytes "
                               "or use adamw") from None
         return bnb.optim.AdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
+    if plan.optimizer == "paged-adamw-8bit":  # CUDA unified memory; refused on CPU (memkit/techniques.py)
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
     raise MemkitError(f"unknown optimizer {plan.optimizer!r}")
 
 
@@ -642,9 +648,8 @@ def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_ba
     for micro in micro_batches:
         batch = {k: v.to(device) for k, v in data.batch(micro).items()}
         with accelerator.accumulate(model):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum = causal_lm_loss_sum(logits, batch["labels"])
-            del logits
+            # The plan's loss: HF logits + causal_lm_loss_sum, or the chunked head (train/techniques.py).
+            loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
             accelerator.backward(loss_sum * scale)
             if not is_ds:
                 if accelerator.sync_gradients and clip > 0:

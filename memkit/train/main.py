@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, CHECKPOINTING, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import RunConfig
 
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
     g.add_argument("--precision", choices=PRECISIONS)
     g.add_argument("--optimizer", choices=OPTIMIZERS)
-    g.add_argument("--checkpointing", choices=CHECKPOINTING)
+    g.add_argument("--checkpointing", type=checkpointing_type, help="none, full, or K (the first K blocks)")
+    g.add_argument("--loss", choices=LOSSES)
     g.add_argument("--attention", choices=ATTENTIONS)
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--grad-accum", type=int)
@@ -93,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
 def plan_flags(args: argparse.Namespace) -> dict:
     targets = args.lora_targets
     return {"precision": args.precision, "optimizer": args.optimizer, "checkpointing": args.checkpointing,
+            "loss": args.loss,
             "attention": args.attention, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
@@ -135,6 +138,10 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     flags = plan_flags(args)
     if plan is not None:
         check_flags(plan, flags)  # --micro-batch-size 4 against a plan of 2: one line, before any rank starts
+    from memkit.train.techniques import refuse_on_cpu
+
+    refuse_on_cpu(plan if plan is not None else TrainingPlan(**{k: v for k, v in flags.items()
+                                                               if k in ("loss", "optimizer") and v}))
     model_name = args.model or (plan_model_name(plan_doc) if plan_doc else None)
     if not model_name:
         raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "

@@ -67,15 +67,12 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
 
 
 def apply_plan(model, plan: TrainingPlan):
-    """Activation checkpointing and LoRA as the plan says; returns the (maybe wrapped) model."""
-    if plan.checkpointing == "full":
-        # Non-reentrant checkpointing: works with frozen inputs (LoRA) and ZeRO-3
-        # (torch.utils.checkpoint docs recommend use_reentrant=False).
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    """Activation checkpointing (all or the first K blocks), the loss head and LoRA as the plan
+    says (memkit/train/techniques.py); returns the (maybe wrapped) model."""
+    from memkit.train.techniques import apply_checkpointing, apply_loss
+
+    apply_checkpointing(model, plan.checkpointing)
+    apply_loss(model, plan)
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 

@@ -33,6 +33,18 @@ def fits(req: Request, plan) -> bool:
             and est.nvme_bytes_per_node <= req.hardware.nvme_bytes_per_node)
 
 
+def _fitting(req: Request, plan):
+    """The plan if it fits and, for a full-checkpointing plan that fits, the partial ones (K of
+    L blocks) that do too: the search tries the smallest such K."""
+    if not fits(req, plan):
+        return []
+    out = [plan]
+    if plan.checkpointing == "full" and req.checkpointing is None and plan.pp == 1:
+        out += [p for p in (plan.with_(checkpointing=str(k)) for k in range(1, req.model.total_layers))
+                if fits(req, p)]
+    return out
+
+
 def brute_force_best(req: Request) -> float | None:
     """Fastest step time over every plan of the first tier that has one: no pruning at all."""
     for tier in tiers(req):
@@ -40,8 +52,7 @@ def brute_force_best(req: Request) -> float | None:
         for layout in layouts(req):
             for s in structures(req, tier, layout):
                 for micro in micro_batch_options(req, s.dp, s.pp):
-                    plan = with_micro(s, micro)
-                    if fits(req, plan):
+                    for plan in _fitting(req, with_micro(s, micro)):
                         t = estimate_step_time(req.model, plan, req.hardware).step_time_s
                         best = t if best is None else min(best, t)
         if best is not None:

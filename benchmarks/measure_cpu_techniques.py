@@ -1,0 +1,111 @@
+"""Measure the memory-saving techniques (chunked loss, partial checkpointing, 8-bit AdamW) on
+CPU, like benchmarks/measure_cpu.py and with its models and machinery, into their own golden file:
+
+    python benchmarks/measure_cpu_techniques.py --out tests/golden/cpu_measurements_techniques.json
+    python benchmarks/measure_cpu_techniques.py --rows llama-fp32-chunked --out /tmp/x.json
+
+Rows: each technique on at least two architectures (Llama with GQA and an untied head, GPT-2
+with a tied head and dropout, Qwen2 tied, GPT-NeoX), single process and 2-rank DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measure_cpu as base  # noqa: E402  (benchmarks/measure_cpu.py)
+from measure_cpu import _ds, _single  # noqa: E402
+
+ROWS = [
+    # chunked cross-entropy (memkit/train/chunked_loss.py)
+    _single("llama-fp32-sdpa-chunked", "llama-gqa", loss="chunked"),
+    _single("llama-bf16-sdpa-chunked", "llama-gqa", precision="bf16", loss="chunked"),
+    _single("llama-fp32-sdpa-lora8-chunked", "llama-gqa", lora_rank=8, loss="chunked"),
+    _single("gpt2-fp32-sdpa-chunked", "gpt2", loss="chunked"),
+    _single("qwen2-bf16pure-sdpa-chunked", "qwen2", precision="bf16-pure", loss="chunked"),
+    _single("neox-bf16-sdpa-chunked-accum2", "gpt-neox", precision="bf16", loss="chunked", grad_accum=2),
+    # partial checkpointing: the first K of 4 blocks (memkit/techniques.py)
+    _single("llama-fp32-sdpa-ckpt2", "llama-gqa", checkpointing="2"),
+    _single("llama-bf16-sdpa-ckpt1-chunked", "llama-gqa", precision="bf16", checkpointing="1", loss="chunked"),
+    _single("gpt2-fp32-sdpa-ckpt1", "gpt2", checkpointing="1"),
+    _single("qwen2-bf16-sdpa-ckpt3", "qwen2", precision="bf16", checkpointing="3"),
+    _single("neox-bf16-eager-ckpt2", "gpt-neox", precision="bf16", attention="eager", checkpointing="2"),
+    # selective (per-op) checkpointing: matmul and attention outputs kept
+    _single("llama-fp32-sdpa-selective", "llama-gqa", checkpointing="selective"),
+    _single("gpt2-fp32-sdpa-selective", "gpt2", checkpointing="selective"),
+    _single("qwen2-bf16-sdpa-selective", "qwen2", precision="bf16", checkpointing="selective"),
+    _single("neox-bf16-eager-selective", "gpt-neox", precision="bf16", attention="eager", checkpointing="selective"),
+    _single("llama-fp32-sdpa-lora8-selective-chunked", "llama-gqa", lora_rank=8, checkpointing="selective",
+            loss="chunked"),
+    # 8-bit AdamW (bitsandbytes AdamW8bit, blockwise states)
+    _single("llama-fp32-sdpa-adamw8bit", "llama-gqa", optimizer="adamw-8bit"),
+    _single("gpt2-bf16-sdpa-adamw8bit", "gpt2", precision="bf16", optimizer="adamw-8bit"),
+]
+DEEPSPEED_ROWS = [
+    _ds("ds-z3-bf16-chunked-ckpt2", zero_stage=3, loss="chunked", checkpointing="2"),
+    _ds("ds-z2-bf16-chunked", zero_stage=2, loss="chunked"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--single-worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    base.SINGLE_ROWS[:] = ROWS  # measure_cpu's worker looks rows up there
+    if args.single_worker:
+        return base._single_worker(args.single_worker, args.steps, args.out)
+    rows = ROWS + DEEPSPEED_ROWS
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        rows = [r for r in rows if r["id"] in wanted]
+    existing = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
+    by_id = {r["id"]: r for r in existing}
+    info = base.versions()
+    for row in rows:
+        start = time.time()
+        if row["kind"] == "single":
+            result = _run_single(row, args.steps)
+        else:
+            result = base.run_deepspeed(row, args.steps, port=args.port)
+        by_id[row["id"]] = {"id": row["id"], "kind": row["kind"], "arch": row["arch"],
+                            "model_config": base.ARCHS[row["arch"]], "plan": row["plan"].to_dict(),
+                            **row["extra"], **result, "versions": info}
+        measured = result["measured"]
+        peak = measured["peak_bytes"] if row["kind"] == "single" else measured["ranks"][0]["peak_bytes"]
+        print(f"{row['id']:40s} peak {peak / 2**20:8.2f} MiB  ({time.time() - start:5.1f} s)", flush=True)
+        ordered = [by_id[r["id"]] for r in ROWS + DEEPSPEED_ROWS if r["id"] in by_id]
+        args.out.write_text(json.dumps({"description": "Peak live-tensor bytes of real CPU training steps "
+                                        "with memory-saving techniques; generated by "
+                                        "benchmarks/measure_cpu_techniques.py", "rows": ordered}, indent=1) + "\n")
+        gc.collect()
+    return 0
+
+
+def _run_single(row: dict, num_steps: int) -> dict:
+    """measure_cpu.run_single, with this script as the worker (so it finds these rows)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--single-worker", row["id"],
+               "--steps", str(num_steps), "--out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(base.REPO)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=base.REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{row['id']}: worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
