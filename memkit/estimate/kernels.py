@@ -41,8 +41,9 @@ sustains at its power limit, below the boost clock short benchmarks (MAMF, kerne
 Hopper: mamf-finder's sustained vs burst figures on an H200 (same SM and power limit as H100 SXM),
 MSMF 702.9 vs MAMF 828.0 TFLOP/s with the GPU alone (ml-engineering
 compute/accelerator/benchmarks/README.md, "MAMF & MSMF", "What we measured: alone vs all-8
-concurrent"). Ampere: the clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of 1410
-MHz (G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Other generations: no published
+concurrent"; that revision is newer than the stored snapshot of stas00/ml-engineering, so the
+figure could not be re-checked here: an assumption until a GPU run confirms it). Ampere: the
+clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of 1410 MHz (G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Other generations: no published
 sustained figure, 1.0. HBM bandwidth does not follow the SM clock, so memory-bound kernels keep
 HBM_EFFICIENCY."""
 

@@ -78,7 +78,7 @@ class CheckpointManager:
         if acc.is_main_process:
             _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
         acc.wait_for_everyone()
-        write_manifest(tmp, step=step, accelerator=acc)
+        write_manifest(tmp, step=step, accelerator=acc, required=self.required_files(_world(acc)))
         if acc.is_main_process:
             for dirpath, _, filenames in os.walk(tmp):
                 for name in filenames:
@@ -92,6 +92,10 @@ class CheckpointManager:
             self._prune()
         acc.wait_for_everyone()
         return final
+
+    def required_files(self, world_size: int) -> list[str]:
+        """Files every checkpoint this manager writes must hold (recorded in the manifest)."""
+        return expected_files(world_size)
 
     def complete(self) -> list[Path]:
         """Published checkpoints (with their state file), oldest first."""
@@ -185,13 +189,17 @@ def resolve_resume(resume: str | None, manager: CheckpointManager) -> Path | Non
 
 # ---- the manifest -----------------------------------------------------------------------------
 
-def write_manifest(folder: Path, *, step: int, accelerator) -> None:
-    """Collective: every rank hashes its share of `folder`'s files; rank 0 writes manifest.json."""
+def write_manifest(folder: Path, *, step: int, accelerator, required: list[str] | None = None) -> None:
+    """Collective: every rank hashes its share of `folder`'s files; rank 0 writes manifest.json,
+    with the files a resume needs (`required`, default: Accelerate's layout, expected_files)."""
     files = _file_digests(folder, _my_share(_listing(folder), accelerator))
     files = dict(_gather(sorted(files.items()), accelerator))
+    if required is None:
+        required = expected_files(_world(accelerator))
     if _rank(accelerator) == 0:
         _write_atomic(folder / MANIFEST, json.dumps({"format_version": MANIFEST_VERSION, "step": step,
-                                                     "world_size": _world(accelerator), "files": files},
+                                                     "world_size": _world(accelerator), "files": files,
+                                                     "required": list(required)},
                                                     indent=1, sort_keys=True))
 
 
@@ -260,7 +268,10 @@ def _check_manifest(folder: Path, accelerator) -> str | None:
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable or not a memkit manifest"
-    missing = [n for n in expected_files(int(manifest.get("world_size") or 0)) if n not in files]
+    required = manifest.get("required")
+    if not (isinstance(required, list) and all(isinstance(n, str) for n in required)):
+        required = expected_files(int(manifest.get("world_size") or 0))
+    missing = [n for n in required if n not in files]
     if missing:
         return f"{missing[0]} is not in {MANIFEST}"
     for name in _my_share(sorted(files), accelerator):

@@ -190,6 +190,11 @@ class DcpCheckpointManager(CheckpointManager):
     def __init__(self, root: Path, accelerator, params: dict, optimizer, *, keep: int, tied_names=None):
         super().__init__(root, _DcpStateIO(accelerator, params, optimizer, tied_names), keep=keep)
 
+    def required_files(self, world_size: int) -> list[str]:
+        """The trainer state and each rank's RNG states (_save_rng); the DCP shards are listed
+        with their sizes and hashes like every other file."""
+        return [STATE_FILE] + [f"rng/rank{i}.pt" for i in range(world_size)]
+
     def load(self, path: Path) -> dict:
         """Collective: like CheckpointManager.load, but any world size (DCP reshards)."""
         state = read_state(path)
