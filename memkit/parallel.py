@@ -184,6 +184,14 @@ def validate_parallel(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardwa
         _check_pp(spec, plan)
 
 
+def _check_tp_within_node(plan: "TrainingPlan", hardware: "Hardware") -> None:
+    """A TP group's all-reduces run every layer: it stays inside one node."""
+    if hardware.num_gpus_per_node % plan.tp:
+        raise MemkitError(
+            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
+            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
+
+
 def _check_tp(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> None:
     if spec.model_type not in TP_MODEL_TYPES:
         raise MemkitError(
@@ -198,10 +206,7 @@ def _check_tp(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> 
     if plan.zero_stage not in RUN_TP["zero_stages"]:
         raise MemkitError(f"tp={plan.tp} with --zero {plan.zero_stage}: DeepSpeed AutoTP training "
                           "supports ZeRO 0-2; use --zero 2 or lower")
-    if hardware.num_gpus_per_node % plan.tp:
-        raise MemkitError(
-            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
-            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
+    _check_tp_within_node(plan, hardware)
     if plan.offload_optimizer != "none" or plan.offload_params != "none":
         raise MemkitError(f"tp={plan.tp} with offload: memkit runs DeepSpeed AutoTP without ZeRO offload; "
                           "use --offload-optimizer none / --offload-params none or tp=1")
@@ -218,10 +223,7 @@ def _check_tp_pp(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") 
     if plan.tp_engine != RUN_TP_PP["tp_engine"]:
         raise MemkitError(f"tp={plan.tp} x pp={plan.pp} with tp engine {plan.tp_engine!r}: inside pipeline "
                           "stages memkit runs torch tensor parallel; use tp_engine 'tp_plan'")
-    if hardware.num_gpus_per_node % plan.tp:
-        raise MemkitError(
-            f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
-            f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")
+    _check_tp_within_node(plan, hardware)
     if plan.sequence_parallel:
         raise MemkitError(f"tp={plan.tp} x pp={plan.pp} with sequence parallel: the runner keeps activations "
                           "replicated inside a TP group; drop sequence_parallel")
