@@ -490,14 +490,14 @@ def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
     gib = lambda plan_: device_peak_bytes(ev.check(plan_).estimate) / GIB if ev.check(plan_).estimate else 0.0
     if plan.loss == "chunked" and ev.request.loss is None:
         standard = plan.with_(loss="standard")
-        fits = "fits" if not ev.check(standard).reason else f"> {ev.budget / GIB:.1f} GiB budget"
-        notes.append(f"chunked loss: the full fp32 logits would make this plan {gib(standard):.1f} GiB "
-                     f"({fits}) instead of {gib(plan):.1f} GiB; it costs one more LM-head matmul in backward")
+        why = ev.check(standard).reason or f"{gib(standard):.1f} GiB, fits"  # the evaluator's own words
+        notes.append(f"chunked loss: with the full fp32 logits this plan would be {why}, instead of "
+                     f"{gib(plan):.1f} GiB; it costs one more LM-head matmul in backward")
     if plan.checkpointing.isdigit():
         k, blocks = int(plan.checkpointing), ev.request.model.total_layers
         fewer = plan.with_(checkpointing=str(k - 1) if k > 1 else "none")
         notes.append(f"checkpointing the first {k} of {blocks} blocks: the fewest that fit "
-                     f"({k - 1} blocks: {gib(fewer):.1f} GiB > {ev.budget / GIB:.1f} GiB budget); the rest keep "
+                     f"({k - 1} blocks: {ev.check(fewer).reason or 'fits'}); the rest keep "
                      "their activations, so only those recompute (Chen et al. 2016)")
     return notes
 
