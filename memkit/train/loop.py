@@ -343,15 +343,10 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
                               "resume with the same --data, --seq-len and tokenizer")
         start_step, tokens_seen, resumed_from = state["step"], state["tokens_seen"], str(resume_path)
 
-    hidden = getattr(model_config, "hidden_size", 0) or 0
-    # The input-embedding lookup is no matmul (0 when the LM head is tied to it): the same N the
-    # predicted MFU uses (estimate/flops.py via throughput.matmul_params).
-    embedding = 0 if getattr(model_config, "tie_word_embeddings", False) else \
-        (getattr(model_config, "vocab_size", 0) or 0) * hidden
     flops_per_token = train_flops_per_token(
         num_params=num_params, num_trainable_params=num_trainable,
         num_layers=getattr(model_config, "num_hidden_layers", 0) or 0,
-        hidden_size=hidden, seq_len=data.seq_len, embedding_params=min(embedding, num_params))
+        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
     peak_tflops = gpu_peak_tflops(device, plan.precision)
     evaluation = data.eval
     start_record = {
