@@ -23,6 +23,7 @@ from dataclasses import replace
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
+from memkit.estimate.pipeline import stage_buffers
 from memkit.estimate.bounds import QUANTILE, margin, plan_kind
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
@@ -218,8 +219,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     full_block = per_layer + autocast_copy
     ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
 
-    def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
-        return (min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block) * in_flight
+    def kept_one(j: int) -> int:  # bytes kept by blocks 0..j-1 of one micro-batch
+        return min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block
+
+    def kept_below(j: int) -> int:  # ... of every in-flight micro-batch
+        return kept_one(j) * in_flight
 
     layers_act = kept_below(n_layers)
 
@@ -247,10 +251,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     base.update({prefix + name: value for name, value in st.buffers.items()})
     # A pipeline's last stage computes each in-flight micro-batch's loss in its forward.
     head_saved = (head.saved_bytes + head_copy) * in_flight if last else 0
-    # Non-last stages keep each in-flight micro-batch's output for its backward, plus a receive
-    # buffer for the gradient coming back (torch/distributed/pipelining/stage.py).
-    boundary = (in_flight + 1) * blk.input_bytes if (plan.pp > 1 and not last) else 0
-    base["pipeline_buffers"] = boundary
+    # Receive buffers, stage outputs and pending sends of torch.distributed.pipelining (pipeline.py).
+    logits_bytes = plan.micro_batch_size * plan.seq_len * model.vocab_size // plan.tp * (num.autocast or num.weight_itemsize)
+    pipe = stage_buffers(plan, stage, in_flight=in_flight, boundary_bytes=blk.input_bytes, logits_bytes=logits_bytes)
+    base["pipeline_buffers"] = pipe.held_bytes
     if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
         base.update({f"offloaded_{name}": value for name, value in st.host.items()})
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
@@ -260,7 +264,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
     amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
-    landing = _landing(rp, st, plan)
+    landing = _landing(rp, st, plan, model)
 
     phases: dict[str, dict[str, int]] = {}
     phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
@@ -272,15 +276,16 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
                          "autocast_weight_copies": amp_cache,
                          loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
-                         "zero3_gathered_params": gather}
+                         "pipeline_logits": pipe.forward_logits_bytes, "zero3_gathered_params": gather}
     moments = []
     if last:  # the loss backward, with every block's activations still saved
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
                         "activations": layers_act + embed_saved,
                         loss_component(plan): head_saved + head.backward_peak_bytes,
-                        "zero3_gathered_params": gather})
+                        "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
-        remaining = kept_below(j) + embed_saved
+        # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards)
+        remaining = kept_one(j) + (in_flight - 1) * kept_one(n_layers) + embed_saved
         if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
         else:
@@ -288,7 +293,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
-                        "zero3_gathered_params": gather})
+                        "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
     phases["optimizer_step"] = {**base, **in_backward, "gradients": grads_end,
                                 "optimizer_step_temporaries": st.step_transient}
@@ -325,7 +330,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
     # on a reduction stream (deepspeed/runtime/zero/stage_1_and_2.py, reduction_stream).
     streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
-    events = moment_events(timeline, _chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), streams)
+    chunks = {**_chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last),
+              "pipeline_buffers": (blk.input_bytes,), "pipeline_logits": (max(1, logits_bytes),)}
+    events = moment_events(timeline, chunks, streams)
     stats = replay(events, AllocatorConfig(caching=cuda))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
     if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
@@ -407,12 +414,20 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     return out
 
 
-def _landing(rp: RankParams, st, plan: TrainingPlan) -> int:
+def _landing(rp: RankParams, st, plan: TrainingPlan, model: ModelSpec) -> int:
     """A block's fresh gradients before the engine files them away (AccumulateGrad output, or
     param.grad awaiting the ZeRO bucket copy)."""
     if st.gradients_grow and plan.grad_accum == 1:
         return 0  # they are the stored gradients themselves
     wb = 2 if (plan.engine == "deepspeed" and plan.precision != "fp32") or plan.precision == "bf16-pure" else 4
+    if plan.engine == "torch" and plan.zero_stage == 0 and not plan.is_lora:
+        # AccumulateGrad adds each fresh gradient into the existing .grad as soon as it is made
+        # (its nodes run first: sequence_nr UINT64_MAX, torch/csrc/autograd/node.h; in-place
+        # `variable_grad += new_grad`, torch/csrc/autograd/functions/accumulate_grad.h), so one
+        # weight's gradient lands at a time -- measured on a CPU pipeline stage (tests/e2e/
+        # test_parallel_equivalence.py), whose peak is a block's backward.
+        return max(lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
+                   for lin in model.layer_linears) * wb
     return rp.layer_trainable * wb
 
 
