@@ -50,7 +50,7 @@ def test_zero2_adamw_8bit_tracks_adamw_and_its_estimate(tmp_path):
     """bitsandbytes AdamW8bit in the runner (2 CPU processes, ZeRO-2 bf16, the script passes the
     optimizer object to DeepSpeed): six steps track torch AdamW's losses (measured: within 3e-5
     relative; its blockwise 8-bit states quantise m and v), and the measured peak is within the
-    estimator's 5 % of plan.json's prediction (measured 1.042x; AdamW 1.037x)."""
+    estimator's 5 % of plan.json's prediction (measured 0.976x; AdamW 0.978x)."""
     tiny = tmp_path / "tiny"
     write_tiny_llama(tiny)
     losses = {}
@@ -66,10 +66,9 @@ def test_zero2_adamw_8bit_tracks_adamw_and_its_estimate(tmp_path):
         log = read_log(out)
         losses[optimizer] = [s["loss"] for s in events(log, "step")]
         end = events(log, "end")[-1]
-        # 1.037 (AdamW) / 1.052 (AdamW8bit) measured: the multi-process CPU runs hold about one
-        # b*s*h tensor per block more than the single-process rows the tape is fitted to (see
-        # tests/e2e/test_parallel_equivalence.py KNOWN_STAGE_GAPS); 6 % states that gap.
-        assert end["measured_over_predicted"]["allocated_peak_bytes"] == pytest.approx(1.0, abs=0.06)
+        # 0.978 (AdamW) / 0.976 (AdamW8bit) measured, the estimator's 5 % (the runner's tracker used to
+        # count the host-side data set too: 1.037 / 1.052, memkit/train/data.py PackedData.fingerprint).
+        assert end["measured_over_predicted"]["allocated_peak_bytes"] == pytest.approx(1.0, abs=0.05)
     assert losses["adamw-8bit"][-1] < losses["adamw-8bit"][0] - 0.5
     assert losses["adamw-8bit"] == pytest.approx(losses["adamw"], rel=1e-3)
     assert losses["adamw-8bit"] != losses["adamw"]  # a different optimizer really ran
