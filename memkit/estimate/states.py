@@ -184,7 +184,16 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
         st.master_weights = master
         st.optimizer_states = optim
         st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
-    st.gradients = 0 if plan.offload_optimizer != "none" else _div(psi_t, n) * wb
+    # stage3.py _setup_for_real_optimizer: the gradient partitions are one flat buffer
+    # (grad_partitions_flat_buffer, gradient_accumulation_dtype = the weights' by default) on
+    # self.device, which is the host (pinned) when the optimizer is offloaded -- measured there on
+    # CPU: ds-z3-bf16-offload, tests/golden/cpu_measurements.json (__param_id_to_grad_partition).
+    grad_partitions = _div(psi_t, n) * wb
+    if plan.offload_optimizer != "none":
+        st.host["grad_partitions"] = grad_partitions
+        st.gradients = 0
+    else:
+        st.gradients = grad_partitions
     st.buffers["ipg_bucket"] = plan.reduce_bucket_size * wb  # stage3.py: allocated at its configured size
     return st
 
