@@ -172,7 +172,7 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
     embed = model.embedding_params if first else 0
     head = head_params if last else 0
     persistent = n_layers * _small_params(model) if not plan.is_lora else 0
-    return RankParams(num_params=params, num_trainable=trainable,
+    return RankParams(num_params=params, num_trainable=trainable, block_params=n_layers * avg_layer,
                       largest_module=max(avg_layer, embed, head), largest_tensor=largest_tensor,
                       num_persistent=persistent, layer_trainable=layer_trainable,
                       head_trainable=head_trainable)
