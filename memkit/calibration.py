@@ -611,7 +611,7 @@ def upper_bound(o: Outcome) -> int:
     from memkit.estimate.residuals_table import LEAVE_ONE_SOURCE_OUT, RESIDUAL_P90
 
     table = LEAVE_ONE_SOURCE_OUT.get(o.case.source_id, RESIDUAL_P90)
-    return int(o.predicted_bytes * (1 + margin(o.case.plan, table)))
+    return int(o.predicted_bytes * (1 + margin(o.case.plan, table, figure=o.case.metric)))
 
 
 def _median(values: list[float]) -> float:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
-from memkit.estimate.bounds import QUANTILE, margin, plan_kind
+from memkit.estimate.bounds import QUANTILE, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
@@ -80,19 +80,22 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
 
 def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = "cuda",
                       table: dict[str, float] | None = None, basis: str = "") -> MemoryEstimate:
-    """`est` with its upper bounds: + the p90 margin for this kind of plan (estimate/bounds.py;
+    """`est` with its upper bounds: + the p90 margin for each figure (estimate/bounds.py;
     `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
     not cache and memkit is exact to a few %: the bounds equal the prediction."""
-    m = margin(plan, table) if (device == "cuda" or table is not None) else 0.0
+    priced = device == "cuda" or table is not None
+    m = margin(plan, table, figure="nvidia_smi") if priced else 0.0  # reserved and nvidia-smi
+    m_alloc = margin(plan, table, figure="allocated") if priced else 0.0
     if not basis and table is None:
         from memkit.estimate.residuals_table import NUM_ROWS
-        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs "
-                 f"({plan_kind(plan)} plans)") if device == "cuda" else "CPU: exact replay"
+        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
+                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}") if device == "cuda" \
+            else "CPU: exact replay"
     notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
         notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
                          f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
-    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m)),
+    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m_alloc)),
                    reserved_peak_upper_bytes=int(est.reserved_peak_bytes * (1 + m)),
                    nvidia_smi_peak_upper_bytes=int(est.nvidia_smi_peak_bytes * (1 + m)),
                    upper_margin=round(m, 4), upper_basis=basis, notes=notes)
