@@ -102,3 +102,26 @@ def test_torch1_adamw_loop_priced_as_measured_with_foreach_off():
     assert abs(old - loop) <= 0.05 * loop, (old, loop)
     assert abs(new - fused) <= 0.05 * fused, (new, fused)
     assert not behaviour(Stack(torch="1.13.1")).foreach_optimizer and behaviour(Stack(torch="2.0")).foreach_optimizer
+
+
+def test_suggest_prices_and_records_the_stack(tmp_path):
+    """`suggest --stack torch=1.12` plans with that stack's behaviours (eager CUDA kernel loading:
+    the context grows by EAGER_KERNEL_IMAGES_BYTES) and writes the stack into plan.json."""
+    import json
+
+    from memkit.cli.main import main
+    from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES
+
+    docs = {}
+    for name, extra in (("now", []), ("old", ["--stack", "torch=1.12"])):
+        out = tmp_path / name
+        args = ["suggest", "--model", "llama-3.2-1b", "--gpu", "a100-80gb", "--num-gpus", "1",
+                "--global-batch-size", "8", "--seq-len", "512", "--precision", "bf16", "--zero", "0",
+                "--checkpointing", "none", "--loss", "standard", "--max-micro-batch", "8", "--out", str(out)]
+        assert main(args + extra) == 0
+        docs[name] = json.loads((out / "plan.json").read_text())
+    assert "stack" not in docs["now"]
+    assert docs["old"]["stack"]["torch"] == "1.12"
+    assert docs["old"]["plan"] == docs["now"]["plan"]
+    grow = docs["old"]["estimate"]["nvidia_smi_peak_bytes"] - docs["now"]["estimate"]["nvidia_smi_peak_bytes"]
+    assert grow == EAGER_KERNEL_IMAGES_BYTES
