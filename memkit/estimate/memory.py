@@ -233,6 +233,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         accum_full = plan.pp_schedule == "1f1b" and plan.grad_accum > plan.pp
     else:
         accum_full = plan.grad_accum > 1
+    if habits.grads_kept_between_steps and plan.engine == "torch":
+        # zero_grad() zero-fills instead of freeing (spec/stack.py): the previous step's gradients
+        # are live from the forward on. DeepSpeed's optimizers free theirs (deepspeed/runtime/fp16/
+        # fused_optimizer.py, unfused_optimizer.py, zero/stage_1_and_2.py: zero_grad(set_to_none=True)).
+        accum_full = True
     grads_end = st.gradients
     gather = st.gather_transient
 
