@@ -241,8 +241,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     grads_end = st.gradients
     gather = st.gather_transient
 
-    def grads_after(num_layers_done: int) -> int:
-        if not st.gradients_grow or accum_full or grads_end == 0:
+    def grads_after(num_layers_done: int, held: bool = accum_full) -> int:
+        if not st.gradients_grow or held or grads_end == 0:
             return grads_end
         share = grads_end / rp.num_trainable if rp.num_trainable else 0
         landed = rp.head_trainable * last + num_layers_done * rp.layer_trainable
@@ -264,7 +264,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
     # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
     grads_outside_backward = grads_end if not st.backward_buffers else 0
-    fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
+    first_fwd_grads = 0 if st.gradients_grow else grads_outside_backward  # a micro-batch with none held
+    fwd_grads = grads_end if accum_full else first_fwd_grads
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
     amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
@@ -282,7 +283,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                          loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
                          "zero3_gathered_params": gather}
     moments = []
+    first_grads = []  # the same moments' gradients in the run's first micro-batch (none held yet)
     if last:  # the loss backward, with every block's activations still saved
+        first_grads.append(grads_after(0, held=False) if head_grad_lands_early(plan) else first_fwd_grads)
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
                         "activations": layers_act + embed_saved,
                         loss_component(plan): head_saved + head.backward_peak_bytes,
@@ -293,6 +296,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             current = per_layer + autocast_copy + blk.input_bytes
         else:
             current = full_block
+        first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
@@ -322,9 +326,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
     # torch.optim creates its states at the first step() (Optimizer._init_group), into whatever
     # the first forward/backward left cached; DeepSpeed allocates its partitions at init.
-    first_step = step
+    # The run's first micro-batch holds no gradients yet: they land block by block in its backward,
+    # into the blocks its activations free, and stay there when accumulation or zero_grad keeps them
+    # (what fragments the cache for the steady-state steps).
+    first_step = [{**m, "gradients": g} for m, g in
+                  zip(step[:-2], [first_fwd_grads] * (len(fwd_walk) + 1) + first_grads)] + step[-2:]
     if plan.engine == "torch":
-        first_step = [{**m, "optimizer_states": 0} for m in step[:-2]] + step[-2:]
+        first_step = [{**m, "optimizer_states": 0} for m in first_step[:-2]] + first_step[-2:]
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
     outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
