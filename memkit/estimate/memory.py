@@ -333,6 +333,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                   zip(step[:-2], [first_fwd_grads] * (len(fwd_walk) + 1) + first_grads)] + step[-2:]
     if plan.engine == "torch":
         first_step = [{**m, "optimizer_states": 0} for m in first_step[:-2]] + first_step[-2:]
+    if last and plan.loss == "standard" and head.backward_peak_bytes:
+        first_step, step = (_loss_work_moments(seq, len(fwd_walk), loss_component(plan),
+                                               head.forward_peak_bytes + shift_copy, head.backward_peak_bytes)
+                            for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
     outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
@@ -375,6 +379,22 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         notes=tuple(notes))
 
 
+def _loss_work_moments(seq: list[dict[str, int]], i: int, key: str, forward_work: int,
+                       backward_work: int) -> list[dict[str, int]]:
+    """`seq` with the loss's work tensors apart from what it saves, for the replay: at the forward
+    moment `seq[i]` the logits and their fp32 copy (loss_forward_work) are live beside the saved
+    log-probs; both are freed before backward (the loop drops the model output, the loss function
+    its fp32 copy: log_softmax saves only its result), and the loss backward moment `seq[i + 1]`
+    allocates its fp32 gradients (loss_backward_work) anew. The sums of the moments are unchanged;
+    the order of sizes is what the caching allocator sees (a freed bf16-logits segment too small
+    for an fp32 gradient stays cached)."""
+    fwd, bwd = seq[i], seq[i + 1]
+    f = {**fwd, key: fwd[key] - forward_work, "loss_forward_work": forward_work}
+    post = {**f, "loss_forward_work": 0}
+    b = {**bwd, key: bwd[key] - backward_work, "loss_forward_work": 0, "loss_backward_work": backward_work}
+    return [*seq[:i], f, post, b, *seq[i + 2:]]
+
+
 def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckpt: bool, n_layers: int,
             first: bool, last: bool) -> dict[str, tuple[int, ...]]:
     """The bytes of the tensors each component is made of, in the order they are allocated
@@ -415,8 +435,12 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
     logits = tokens * model.vocab_size // max(1, tp)
     if plan.loss == "standard":
-        out["logits_and_loss"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
-                                  max(1, logits * 4), max(1, logits * 4))
+        # saved: the fp32 log-probs; work (_loss_work_moments): the logits, then fp32 tensors (their
+        # copy, loss_parallel's shifted logits, transformers < 4.46's shifted copy); backward: fp32.
+        out["logits_and_loss"] = (max(1, logits * 4),)
+        out["loss_forward_work"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
+                                    max(1, logits * 4))
+        out["loss_backward_work"] = (max(1, logits * 4),)
     else:  # chunked / fused: the saved hidden states, then one chunk's buffers (estimate/techniques.py)
         out[loss_component(plan)] = (max(1, head.saved_bytes), max(1, head.forward_peak_bytes))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)
