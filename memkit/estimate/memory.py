@@ -367,6 +367,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
     if num.autocast:
         notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
+    if plan.engine == "torch" and plan.zero_stage == 3 and plan.pp == 1 and plan.grad_accum > 1:
+        notes.append("FSDP with accumulation: gradients held unsharded between syncs (FSDP.no_sync, as "
+                     "Accelerate and Lightning run it)")
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + context),
