@@ -311,9 +311,18 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
     if text.startswith("bf16_pure") or text.startswith("bf16 weights"):
         return "bf16-pure", ""
     if text.startswith("unspecified"):
-        # Megatron-LM fp16: fp16 module, fp32 main params in the optimizer, as DeepSpeed does.
-        approx.append("precision unstated; Megatron fp16 (fp16 weights + fp32 master) assumed")
-        return "fp16", "deepspeed"
+        # bigcode issue 20 states no precision. Its rows differ in heads at fixed layers/width, so
+        # they measure the bytes saved per s^2 attention score: 9.0-9.3 B per score per layer
+        # (measured differences / (heads x layers x 2048^2); 9.4-9.7 if its MB were MiB). Eager fp32
+        # attention saves 9: the softmax output 4 (torch softmax saves its result), the dropout
+        # mask 1 (native_dropout, bool on CUDA) and the dropout output 4 (saved by the bmm with V).
+        # Megatron fp16 saves 5 (fused scaled-masked softmax: fp16 probs 2 + mask 1 + dropout out 2;
+        # megatron/model/fused_softmax.py) or 7 (unfused, softmax in fp32 under query-key layer
+        # scaling: 4 + 1 + 2), so fp32 is what the rows show. Engine 'deepspeed' at ZeRO 0 stands
+        # for Megatron's apex FusedAdam step (in place: no foreach temporaries).
+        approx.append("precision unstated; fp32 inferred from the rows' 9 B per attention score "
+                      "(fp16 would save 5-7 B)")
+        return "fp32", "deepspeed"
     raise MemkitError(f"calibration record {record['id']}: precision {record['precision']!r} has no mapping")
 
 
@@ -449,11 +458,20 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         attention=attention, micro_batch_size=int(micro), grad_accum=int(accum), seq_len=int(seq),
         dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
         sequence_parallel=sequence_parallel,
-        pp_schedule=pp_schedule, **lora_kw)
+        pp_schedule=pp_schedule, fsdp_use_orig_params=_use_orig_params(fsdp), **lora_kw)
     alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
     if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):
         alternatives.append(("all at 64", replace(plan, seq_len=64)))
     return plan, hardware, alternatives
+
+
+def _use_orig_params(fsdp: str) -> bool:
+    """FSDP1's use_orig_params as the record's FSDP text gives it: stated, or Lightning Fabric's
+    FSDPStrategy, which sets it True with torch >= 2.0 (lightning/fabric/strategies/fsdp.py at
+    2.1.0, `self._fsdp_kwargs.setdefault("use_orig_params", True)`); otherwise torch's False."""
+    if "use_orig_params=true" in fsdp:
+        return True
+    return "lightning fsdpstrategy" in fsdp and "use_orig_params=false" not in fsdp
 
 
 def _summary(plan: TrainingPlan) -> str:
@@ -593,7 +611,7 @@ def upper_bound(o: Outcome) -> int:
     from memkit.estimate.residuals_table import LEAVE_ONE_SOURCE_OUT, RESIDUAL_P90
 
     table = LEAVE_ONE_SOURCE_OUT.get(o.case.source_id, RESIDUAL_P90)
-    return int(o.predicted_bytes * (1 + margin(o.case.plan, table)))
+    return int(o.predicted_bytes * (1 + margin(o.case.plan, table, figure=o.case.metric)))
 
 
 def _median(values: list[float]) -> float:

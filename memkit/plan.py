@@ -68,6 +68,10 @@ class TrainingPlan:
     lora_dropout: float = 0.05
     engine: str = "deepspeed"
     """'deepspeed' (ZeRO via DeepSpeed) or 'torch' (plain PyTorch/AMP, DDP, FSDP)."""
+    fsdp_use_orig_params: bool = False
+    """torch FSDP1 `use_orig_params` (its default: False; Lightning Fabric's FSDPStrategy sets True
+    with torch >= 2.0). True lets a wrapped unit mix frozen and trainable parameters, and the
+    unit's gradient then covers all of it (estimate/states.py)."""
     # DeepSpeed ZeRO buffers, in elements (deepspeed/runtime/zero/config.py defaults).
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="device memory left unused for fragmentation, variable-length batches and "
                            "eval spikes (default 10%%)")
     pins.add_argument("--objective", choices=("throughput", "memory"), default="throughput")
+    pins.add_argument("--stack", default="", metavar="PKG=VER,...",
+                      help="plan for another software stack, e.g. transformers=4.40,torch=2.3 (spec/stack.py; "
+                           "default: the installed versions); recorded in plan.json under 'stack'")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--out", metavar="DIR", help="write accelerate.yaml, ds_config.json, plan.json, README.md")
@@ -109,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if args.num_alternatives < 0:
         raise MemkitError(f"--num-alternatives {args.num_alternatives} must be >= 0")
     request = request_from_args(args)
+    stack, estimator = _stack_estimator(args.stack)
     start = time.perf_counter()
     try:
-        result = search(request, num_alternatives=args.num_alternatives)
+        result = search(request, estimator=estimator, num_alternatives=args.num_alternatives)
     except NoPlanFits as exc:
         return _report_no_fit(args, request, exc)
     elapsed = time.perf_counter() - start
@@ -119,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     from memkit.emit.deepspeed import largest_param_numel
 
     doc = plan_doc.build(result, lr=args.lr)  # what plan.json holds (the presets hold the same)
+    if stack is not None:  # the versions the plan was priced for (plan.json's "versions": this machine's)
+        doc["stack"] = stack.to_dict()
     written = []
     plot_tmp = None
     try:
@@ -158,6 +164,20 @@ def run(args: argparse.Namespace) -> int:
     if written:
         print("\nwrote " + ", ".join(written))
     return 0
+
+
+def _stack_estimator(text: str):
+    """(Stack, estimator pricing it) for `--stack`; (None, None) without it: the planner's default
+    estimator, the installed behaviours."""
+    if not text:
+        return None, None
+    from functools import partial
+
+    from memkit.estimate.memory import estimate_memory
+    from memkit.spec.stack import parse_stack
+
+    stack = parse_stack(text)
+    return stack, partial(estimate_memory, stack=stack)
 
 
 def _report_no_fit(args, request, exc) -> int:

@@ -397,8 +397,10 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
         whole = head_activations(spec, replace(plan, tp=1, sequence_parallel=False),
                                  micro_batch_size=b, device=device)
         t = plan.tp
-        return HeadActivations(saved_bytes=whole.saved_bytes // t, forward_peak_bytes=whole.forward_peak_bytes // t,
-                               backward_peak_bytes=whole.backward_peak_bytes // t,
+        forward_peak, backward_peak = _loss_parallel_peaks(b * plan.seq_len * spec.vocab_size // t,
+                                                           num.autocast or num.weight_itemsize)
+        return HeadActivations(saved_bytes=whole.saved_bytes // t, forward_peak_bytes=forward_peak,
+                               backward_peak_bytes=backward_peak,
                                embedding_bytes=whole.embedding_bytes // t)
     tokens = b * plan.seq_len
     if spec.traced:
@@ -446,6 +448,16 @@ def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, devic
     return HeadActivations(saved_bytes=trace.head_saved_bytes, forward_peak_bytes=forward_peak,
                            backward_peak_bytes=backward_peak,
                            embedding_bytes=trace.embedding_saved_bytes + tokens * 8)
+
+
+def _loss_parallel_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:
+    """The same peaks under loss_parallel, which runs its own log-softmax and nll backward on the
+    vocabulary shard (torch/distributed/tensor/parallel/loss.py). Forward `_log_softmax`: the
+    logits, their fp32 copy, `shifted = x - x_max` and `exp(shifted)` (then the log-probs) coexist.
+    Backward `_nll_loss_and_log_softmax_backward`: `grad_input = zeros_like(x)`, `exp(x)` and their
+    sum, then the product with grad_output, beside the saved log-probs: three fp32 tensors."""
+    fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4
+    return vocab_tokens * logits_itemsize + fp32_copy + vocab_tokens * 4, 3 * vocab_tokens * 4
 
 
 def _loss_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers
-from memkit.estimate.bounds import QUANTILE, margin, plan_kind
+from memkit.estimate.bounds import QUANTILE, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
@@ -81,19 +81,22 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
 
 def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = "cuda",
                       table: dict[str, float] | None = None, basis: str = "") -> MemoryEstimate:
-    """`est` with its upper bounds: + the p90 margin for this kind of plan (estimate/bounds.py;
+    """`est` with its upper bounds: + the p90 margin for each figure (estimate/bounds.py;
     `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
     not cache and memkit is exact to a few %: the bounds equal the prediction."""
-    m = margin(plan, table) if (device == "cuda" or table is not None) else 0.0
+    priced = device == "cuda" or table is not None
+    m = margin(plan, table, figure="nvidia_smi") if priced else 0.0  # reserved and nvidia-smi
+    m_alloc = margin(plan, table, figure="allocated") if priced else 0.0
     if not basis and table is None:
         from memkit.estimate.residuals_table import NUM_ROWS
-        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs "
-                 f"({plan_kind(plan)} plans)") if device == "cuda" else "CPU: exact replay"
+        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
+                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}") if device == "cuda" \
+            else "CPU: exact replay"
     notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
         notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
                          f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
-    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m)),
+    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m_alloc)),
                    reserved_peak_upper_bytes=int(est.reserved_peak_bytes * (1 + m)),
                    nvidia_smi_peak_upper_bytes=int(est.nvidia_smi_peak_bytes * (1 + m)),
                    upper_margin=round(m, 4), upper_basis=basis, notes=notes)
@@ -173,7 +176,7 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
     embed = model.embedding_params if first else 0
     head = head_params if last else 0
     persistent = n_layers * _small_params(model) if not plan.is_lora else 0
-    return RankParams(num_params=params, num_trainable=trainable,
+    return RankParams(num_params=params, num_trainable=trainable, block_params=n_layers * avg_layer,
                       largest_module=max(avg_layer, embed, head), largest_tensor=largest_tensor,
                       num_persistent=persistent, layer_trainable=layer_trainable,
                       head_trainable=head_trainable)
@@ -234,11 +237,16 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         accum_full = plan.pp_schedule == "1f1b" and plan.grad_accum > plan.pp
     else:
         accum_full = plan.grad_accum > 1
+    if habits.grads_kept_between_steps and plan.engine == "torch":
+        # zero_grad() zero-fills instead of freeing (spec/stack.py): the previous step's gradients
+        # are live from the forward on. DeepSpeed's optimizers free theirs (deepspeed/runtime/fp16/
+        # fused_optimizer.py, unfused_optimizer.py, zero/stage_1_and_2.py: zero_grad(set_to_none=True)).
+        accum_full = True
     grads_end = st.gradients
     gather = st.gather_transient
 
-    def grads_after(num_layers_done: int) -> int:
-        if not st.gradients_grow or accum_full or grads_end == 0:
+    def grads_after(num_layers_done: int, held: bool = accum_full) -> int:
+        if not st.gradients_grow or held or grads_end == 0:
             return grads_end
         share = grads_end / rp.num_trainable if rp.num_trainable else 0
         landed = rp.head_trainable * last + num_layers_done * rp.layer_trainable
@@ -260,7 +268,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
     # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
     grads_outside_backward = grads_end if not st.backward_buffers else 0
-    fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
+    first_fwd_grads = 0 if st.gradients_grow else grads_outside_backward  # a micro-batch with none held
+    fwd_grads = grads_end if accum_full else first_fwd_grads
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
     amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
@@ -278,7 +287,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                          loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
                          "pipeline_logits": pipe.forward_logits_bytes, "zero3_gathered_params": gather}
     moments = []
+    first_grads = []  # the same moments' gradients in the run's first micro-batch (none held yet)
     if last:  # the loss backward, with every block's activations still saved
+        first_grads.append(grads_after(0, held=False) if head_grad_lands_early(plan) else first_fwd_grads)
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
                         "activations": layers_act + embed_saved,
                         loss_component(plan): head_saved + head.backward_peak_bytes,
@@ -290,6 +301,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             current = per_layer + autocast_copy + blk.input_bytes
         else:
             current = full_block
+        first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
@@ -319,9 +331,17 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
     # torch.optim creates its states at the first step() (Optimizer._init_group), into whatever
     # the first forward/backward left cached; DeepSpeed allocates its partitions at init.
-    first_step = step
+    # The run's first micro-batch holds no gradients yet: they land block by block in its backward,
+    # into the blocks its activations free, and stay there when accumulation or zero_grad keeps them
+    # (what fragments the cache for the steady-state steps).
+    first_step = [{**m, "gradients": g} for m, g in
+                  zip(step[:-2], [first_fwd_grads] * (len(fwd_walk) + 1) + first_grads)] + step[-2:]
     if plan.engine == "torch":
-        first_step = [{**m, "optimizer_states": 0} for m in step[:-2]] + step[-2:]
+        first_step = [{**m, "optimizer_states": 0} for m in first_step[:-2]] + first_step[-2:]
+    if last and plan.loss == "standard" and head.backward_peak_bytes:
+        first_step, step = (_loss_work_moments(seq, len(fwd_walk), loss_component(plan),
+                                               head.forward_peak_bytes + shift_copy, head.backward_peak_bytes)
+                            for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
     outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
@@ -354,6 +374,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
     if num.autocast:
         notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
+    if plan.engine == "torch" and plan.zero_stage == 3 and plan.pp == 1 and plan.grad_accum > 1:
+        notes.append("FSDP with accumulation: gradients held unsharded between syncs (FSDP.no_sync, as "
+                     "Accelerate and Lightning run it)")
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + context),
@@ -364,6 +387,22 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
         host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
         notes=tuple(notes))
+
+
+def _loss_work_moments(seq: list[dict[str, int]], i: int, key: str, forward_work: int,
+                       backward_work: int) -> list[dict[str, int]]:
+    """`seq` with the loss's work tensors apart from what it saves, for the replay: at the forward
+    moment `seq[i]` the logits and their fp32 copy (loss_forward_work) are live beside the saved
+    log-probs; both are freed before backward (the loop drops the model output, the loss function
+    its fp32 copy: log_softmax saves only its result), and the loss backward moment `seq[i + 1]`
+    allocates its fp32 gradients (loss_backward_work) anew. The sums of the moments are unchanged;
+    the order of sizes is what the caching allocator sees (a freed bf16-logits segment too small
+    for an fp32 gradient stays cached)."""
+    fwd, bwd = seq[i], seq[i + 1]
+    f = {**fwd, key: fwd[key] - forward_work, "loss_forward_work": forward_work}
+    post = {**f, "loss_forward_work": 0}
+    b = {**bwd, key: bwd[key] - backward_work, "loss_forward_work": 0, "loss_backward_work": backward_work}
+    return [*seq[:i], f, post, b, *seq[i + 2:]]
 
 
 def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckpt: bool, n_layers: int,
@@ -406,8 +445,12 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
     logits = tokens * model.vocab_size // max(1, tp)
     if plan.loss == "standard":
-        out["logits_and_loss"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
-                                  max(1, logits * 4), max(1, logits * 4))
+        # saved: the fp32 log-probs; work (_loss_work_moments): the logits, then fp32 tensors (their
+        # copy, loss_parallel's shifted logits, transformers < 4.46's shifted copy); backward: fp32.
+        out["logits_and_loss"] = (max(1, logits * 4),)
+        out["loss_forward_work"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
+                                    max(1, logits * 4))
+        out["loss_backward_work"] = (max(1, logits * 4),)
     else:  # chunked / fused: the saved hidden states, then one chunk's buffers (estimate/techniques.py)
         out[loss_component(plan)] = (max(1, head.saved_bytes), max(1, head.forward_peak_bytes))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)

@@ -42,6 +42,9 @@ class RankParams:
     layer_trainable: int = 0
     """Trainable parameters of one block (their gradients land block by block in backward)."""
     head_trainable: int = 0
+    block_params: int = 0
+    """Parameters of the blocks (what a per-block FSDP wrap puts into its units), embeddings and
+    head excluded."""
 
 
 def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
@@ -216,9 +219,22 @@ def _torch_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: st
     # at a time plus the prefetched next one, in the compute dtype.
     st.gradients_grow = False
     st.weights = _div(psi, n) * wb
-    st.gradients = _div(psi_t, n) * wb
-    st.optimizer_states = int(_div(psi_t, n) * opt_bpp)
     compute_b = 2 if plan.is_mixed or plan.precision == "bf16-pure" else 4
+    # use_orig_params=True: a flat parameter that mixes frozen and trainable tensors requires grad
+    # as a whole (torch/distributed/fsdp/_flat_param.py: flat_param_requires_grad = any(...)), so
+    # LoRA in every block gives gradients as large as the blocks ("higher than expected gradient
+    # memory", fully_sharded_data_parallel.py, FSDP class docstring).
+    grad_numel = rp.block_params + psi_t if (plan.is_lora and plan.fsdp_use_orig_params) else psi_t
+    st.gradients = _div(grad_numel, n) * wb
+    if plan.zero_stage == 3 and plan.pp == 1 and plan.grad_accum > 1:
+        # Accumulation runs the non-final micro-steps in FSDP.no_sync(), which keeps "the full model
+        # gradients (instead of gradient shards) until the eventual sync" (fully_sharded_data_parallel.py,
+        # no_sync), in the unsharded parameter's dtype (_runtime_utils.py _post_backward_hook returns
+        # before the reduce-dtype cast). Accelerate's accumulate() does so for FSDP1 and FSDP2
+        # (accelerate/accelerator.py no_sync; GradientAccumulationPlugin.sync_each_batch defaults to
+        # False), Lightning Fabric through no_backward_sync (lightning/fabric/strategies/fsdp.py).
+        st.gradients = grad_numel * compute_b
+    st.optimizer_states = int(_div(psi_t, n) * opt_bpp)
     st.gather_transient = 2 * rp.largest_module * compute_b
     st.step_transient = _adam_temp(plan, _div(psi_t, n), rp.largest_tensor, device)
     return st

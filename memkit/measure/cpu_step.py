@@ -118,11 +118,13 @@ def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:
 
 
 def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
-                     lr: float = 1e-4, foreach: bool = True, checkpoint_reentrant: bool = False) -> dict:
+                     lr: float = 1e-4, foreach: bool = True, checkpoint_reentrant: bool = False,
+                     set_to_none: bool = True) -> dict:
     """Run `num_steps` real optimizer steps under a LiveTensorTracker; return the measured figures.
 
     Precision: fp32; bf16 = autocast(bfloat16) with fp32 params (mixed); bf16-pure = params,
-    grads and optimizer states in bfloat16.
+    grads and optimizer states in bfloat16. `set_to_none=False` zero-fills the gradients between
+    steps, as torch < 2.0's default zero_grad() did (spec/stack.py).
     """
     import torch
 
@@ -166,7 +168,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
             tracker.tag(list(_optimizer_tensors(optimizer)), "optimizer")
             boundary["after_step"] = _components(tracker, model, optimizer)
             with tracker.phase(f"zero_grad#{step}"):
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=set_to_none)
             boundary["after_zero_grad"] = _components(tracker, model, optimizer)
         del optimizer, model, params, trainable
 

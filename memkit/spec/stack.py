@@ -21,6 +21,11 @@ installed version). Behaviours, each with the version where it changed:
   `foreach` is unset (torch/optim/optimizer.py, _default_to_fused_or_foreach), whose
   `_foreach_sqrt` makes a temporary as large as all parameters; 1.x AdamW set `foreach = False`
   when unset (torch/optim/adamw.py) and loops over parameters, one parameter's temporary at a time.
+- zero_grad (torch, transformers): before torch 2.0 `Optimizer.zero_grad()` and
+  `nn.Module.zero_grad()` defaulted to `set_to_none=False` (pytorch/pytorch#92731 flipped it for
+  2.0), so gradients stay allocated as zeros between steps and are live through the next forward
+  and backward. The HF Trainer passes `set_to_none=True` for every torch from transformers 4.27
+  (huggingface/transformers#22136); before that it called `model.zero_grad()`.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ PACKAGES = ("torch", "transformers", "deepspeed", "peft")
 FOR_CAUSAL_LM_LOSS = (4, 46)
 LAZY_LOADING_TORCH = (1, 13)
 FOREACH_DEFAULT_TORCH = (2, 0)
+SET_TO_NONE_DEFAULT_TORCH = (2, 0)
+TRAINER_SET_TO_NONE = (4, 27)
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
 
 
@@ -101,6 +108,9 @@ class StackBehaviour:
     """CUDA kernels are loaded at context creation (torch < 1.13)."""
     foreach_optimizer: bool = True
     """torch.optim defaults to the foreach implementation (torch >= 2.0)."""
+    grads_kept_between_steps: bool = False
+    """zero_grad() zero-fills gradients instead of freeing them (torch < 2.0, unless the Trainer of
+    transformers >= 4.27 passes set_to_none=True)."""
     notes: tuple[str, ...] = ()
 
 
@@ -124,5 +134,8 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     foreach = th is None or th >= FOREACH_DEFAULT_TORCH
     if not foreach:
         notes.append(f"torch {stack.torch} < 2.0: torch.optim loops over parameters (no foreach temporaries)")
+    kept = th is not None and th < SET_TO_NONE_DEFAULT_TORCH and not (tf is not None and tf >= TRAINER_SET_TO_NONE)
+    if kept:
+        notes.append(f"torch {stack.torch} < 2.0: zero_grad() keeps zero-filled gradients between steps")
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
-                          notes=tuple(notes))
+                          grads_kept_between_steps=kept, notes=tuple(notes))

@@ -155,6 +155,9 @@ def _cases() -> list[tuple[str, list[str]]]:
         ("suggest-existing-out-ds-config-folder", [*sug, "--out", "{odd_bundle}"]),
         ("suggest-lora-targets-commas", [*sug, "--lora-rank", "8", "--lora-targets", ",,,"]),
         ("suggest-missing-batch", sug[:-2]),
+        ("suggest-stack-bad-version", [*sug, "--stack", "transformers=abc"]),
+        ("suggest-stack-unknown-package", [*sug, "--stack", "jax=0.4"]),
+        ("estimate-stack-bad-version", [*est, "--stack", "torch=x"]),
     ]
 
     for kind in CONFIGS:

@@ -102,3 +102,54 @@ def test_torch1_adamw_loop_priced_as_measured_with_foreach_off():
     assert abs(old - loop) <= 0.05 * loop, (old, loop)
     assert abs(new - fused) <= 0.05 * fused, (new, fused)
     assert not behaviour(Stack(torch="1.13.1")).foreach_optimizer and behaviour(Stack(torch="2.0")).foreach_optimizer
+
+
+def test_suggest_prices_and_records_the_stack(tmp_path):
+    """`suggest --stack torch=1.12` plans with that stack's behaviours (eager CUDA kernel loading:
+    the context grows by EAGER_KERNEL_IMAGES_BYTES) and writes the stack into plan.json."""
+    import json
+
+    from memkit.cli.main import main
+    from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES
+
+    docs = {}
+    for name, extra in (("now", []), ("old", ["--stack", "torch=1.12"])):
+        out = tmp_path / name
+        args = ["suggest", "--model", "llama-3.2-1b", "--gpu", "a100-80gb", "--num-gpus", "1",
+                "--global-batch-size", "8", "--seq-len", "512", "--precision", "bf16", "--zero", "0",
+                "--checkpointing", "none", "--loss", "standard", "--max-micro-batch", "8", "--out", str(out)]
+        assert main(args + extra) == 0
+        docs[name] = json.loads((out / "plan.json").read_text())
+    assert "stack" not in docs["now"]
+    assert docs["old"]["stack"]["torch"] == "1.12"
+    assert docs["old"]["plan"] == docs["now"]["plan"]
+    grow = docs["old"]["estimate"]["nvidia_smi_peak_bytes"] - docs["now"]["estimate"]["nvidia_smi_peak_bytes"]
+    assert grow == EAGER_KERNEL_IMAGES_BYTES
+
+
+def test_torch1_zero_grad_keeps_gradients_priced_as_measured():
+    """torch < 2.0 zero_grad() zero-fills: the next forward runs with every gradient live. Measured
+    on CPU with set_to_none False and True, against the estimate for torch 1.13 and 2.4."""
+    from memkit.estimate.memory import estimate_memory
+    from memkit.measure.cpu_step import measure_training
+    from memkit.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import spec_from_config
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    plan = TrainingPlan(precision="fp32", engine="torch", micro_batch_size=2, seq_len=32, attention="sdpa")
+    spec = spec_from_config(cfg, name="tiny")
+    hw = Hardware(gpu=find_gpu("a100-80gb"))
+    kept = measure_training(cfg, plan, num_steps=2, set_to_none=False)["phases"]["forward"]["peak_bytes"]
+    freed = measure_training(cfg, plan, num_steps=2, set_to_none=True)["phases"]["forward"]["peak_bytes"]
+    old = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(torch="1.13")).phases["forward"]
+    new = estimate_memory(spec, plan, hw, device="cpu", stack=Stack(torch="2.4")).phases["forward"]
+    grads = spec.num_params * 4
+    assert abs((kept - freed) - grads) <= 0.02 * grads  # the measurement shows the whole gradient set
+    assert abs(old - kept) <= 0.05 * kept, (old, kept)
+    assert abs(new - freed) <= 0.05 * freed, (new, freed)
+    # the Trainer of transformers >= 4.27 passes set_to_none=True on any torch
+    assert not behaviour(Stack(torch="1.13", transformers="4.30")).grads_kept_between_steps
+    assert behaviour(Stack(torch="1.13", transformers="4.26")).grads_kept_between_steps
