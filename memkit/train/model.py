@@ -66,6 +66,17 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
     return model
 
 
+def build_quantized(source: ModelSource, config, plan: TrainingPlan, *, seed: int, device):
+    """build_model's model with its linears in 4 bits on `device`, prepared for k-bit training
+    (memkit/train/quantize.py): the folder's checkpoint, or the fresh seeded weights through a
+    temporary save."""
+    from memkit.train.quantize import load_quantized, quantize_fresh
+
+    if source.has_weights:
+        return load_quantized(source.folder, plan, device=str(device), config=config)
+    return quantize_fresh(build_model(source, config, attention=plan.attention, seed=seed), plan, device=str(device))
+
+
 def apply_plan(model, plan: TrainingPlan):
     """Activation checkpointing (all or the first K blocks), the loss head and LoRA as the plan
     says (memkit/train/techniques.py); returns the (maybe wrapped) model."""
