@@ -4,8 +4,10 @@ bitsandbytes / transformers / peft sources: memkit/quantize.py).
 
 - Quantised: every decoder (and encoder) block linear except fused MoE expert tensors
   (transformers replace_with_bnb_linear converts nn.Linear / Conv1D modules only). The embedding,
-  norms, biases and lm_head stay floating point, in fp32 after prepare_model_for_kbit_training
-  (peft utils/other.py), and so do the LoRA adapters (peft autocast_adapter_dtype=True).
+  norms and lm_head stay floating point, in fp32 after prepare_model_for_kbit_training
+  (peft utils/other.py), and so do the LoRA adapters (peft autocast_adapter_dtype=True). A 4-bit
+  linear's bias is recast to the compute dtype at its first forward (bitsandbytes nn/modules.py
+  Linear4bit.forward: `bias.data = bias.data.to(x.dtype)` after x is cast to compute_dtype).
 - Forward and backward each dequantise one whole weight into a compute-dtype tensor, freed
   after its matmul (bitsandbytes autograd/_functions.py MatMul4Bit, backends/default/ops.py
   _gemm_4bit_default_impl): one such weight, the largest, is live at a time.
@@ -41,7 +43,10 @@ def base_bytes(model: ModelSpec, plan: TrainingPlan, num_params: int) -> dict[st
         numel = lin.in_features * lin.out_features
         packed += lin.count * n * packed_bytes(numel)
         state += lin.count * n * quant_state_bytes(numel, double_quant=plan.double_quant)
-    return {"weights": (num_params - quantized_numel(model)) * 4, "weights_4bit": packed, "quant_state": state}
+    biases = sum(lin.count * n * lin.out_features for lin, n in quantized_linears(model) if lin.bias)
+    rest = num_params - quantized_numel(model) - biases
+    return {"weights": rest * 4 + biases * COMPUTE_ITEMSIZE[plan.precision], "weights_4bit": packed,
+            "quant_state": state}
 
 
 def dequantized_weight_bytes(model: ModelSpec, plan: TrainingPlan) -> int:

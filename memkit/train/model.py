@@ -104,6 +104,8 @@ def count_params(model) -> tuple[int, int]:
     total = trainable = 0
     for param in model.parameters():
         numel = getattr(param, "ds_numel", None) or param.numel()
+        if type(param).__name__ == "Params4bit" and param.quant_state is not None:  # two elements per byte
+            numel = param.quant_state.shape.numel()
         total += numel
         if param.requires_grad:
             trainable += numel
