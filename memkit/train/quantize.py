@@ -45,7 +45,12 @@ def quantize_fresh(model, plan: TrainingPlan, *, device: str = "cpu"):
     transformers loads a checkpoint, so the weights go through a temporary save_pretrained."""
     config = model.config
     with tempfile.TemporaryDirectory(prefix="memkit-qlora-") as tmp:
-        model.save_pretrained(tmp)
+        # Every rank writes and quantises its own copy (transformers 5's save_pretrained leaves
+        # the shard writing to rank 0 under torch.distributed); safetensors' save_model drops tied duplicates.
+        from safetensors.torch import save_model
+
+        config.save_pretrained(tmp)
+        save_model(model, str(Path(tmp) / "model.safetensors"))
         del model
         return load_quantized(tmp, plan, device=device, config=config)
 

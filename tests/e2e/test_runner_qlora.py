@@ -1,13 +1,14 @@
 """The runner with a 4-bit base (QLoRA, memkit/train/quantize.py): a tiny Llama checkpoint loaded
-in NF4 by bitsandbytes on CPU, LoRA on top, against the same run on the 16-bit base.
+in NF4 by bitsandbytes on CPU in each of 2 DDP processes (gloo), LoRA on top, against the same run
+on the 16-bit base.
 
-Measured (6 AdamW steps, lr 3e-3): the NF4 run's losses fall (5.79 -> 5.61) and track the
-16-bit-base run's within 1.1 % (the 4-bit weights are a close copy of the base; asserted at 2 %).
-Peak measured/predicted: 1.097 (NF4) vs 1.044 (16-bit base) at this 2 MiB size: the 4-bit run holds
-~84 KB more than its estimate's 241 KB saving predicts, not explained yet (the single-process
-golden rows at 20-70 MiB, tests/unit/test_estimate_measured_qlora.py, agree within 3 %); asserted
-as 6 %, like test_runner_techniques.py's multi-process gap. The run saves the adapter only, and the base loaded in 4 bits + that adapter reproduces
-the trained model's logits.
+Measured (6 AdamW steps, lr 3e-3, 2 processes): the NF4 run's losses fall (5.809 -> 5.593) and
+track the 16-bit-base run's within 0.9 % (the 4-bit weights are a close copy of the base; asserted
+at 2 %). Peak measured/predicted: 1.096 (NF4) vs 1.084 (16-bit base), asserted equal within 0.03
+(the common ~9 % is the runner's own overhead at this 2 MiB size; the 4-bit terms are checked at
+scale by tests/unit/test_estimate_measured_qlora.py). One process gave 1.097 vs 1.044: ~84 KB
+the estimate does not explain (not asserted here). The run saves the adapter only, and the base
+loaded in 4 bits + that adapter reproduces the trained model's logits.
 """
 from __future__ import annotations
 
@@ -49,14 +50,14 @@ def _run(tmp_path, name, plan, base):
     return out, read_log(out)
 
 
-def test_nf4_base_trains_like_the_16bit_base_and_saves_a_loadable_adapter(tmp_path):
+def test_nf4_base_trains_like_the_16bit_base_under_ddp_and_saves_a_loadable_adapter(tmp_path):
     import torch
     from peft import PeftModel
 
     from memkit.train.quantize import load_quantized
 
     base = _write_checkpoint(tmp_path / "tiny")
-    plain = TrainingPlan(engine="torch", precision="fp32", micro_batch_size=2, seq_len=64, dp=1, lora_rank=8)
+    plain = TrainingPlan(engine="torch", precision="fp32", micro_batch_size=2, seq_len=64, dp=2, lora_rank=8)
     qlora = plain.with_(quantize_base="nf4")
     runs = {name: _run(tmp_path, name, plan, base) for name, plan in (("lora", plain), ("qlora", qlora))}
     (q_out, q_log), (l_out, l_log) = runs["qlora"], runs["lora"]
@@ -70,7 +71,7 @@ def test_nf4_base_trains_like_the_16bit_base_and_saves_a_loadable_adapter(tmp_pa
     assert q_losses == pytest.approx(l_losses, rel=2e-2) and q_losses != l_losses
     q_ratio = events(q_log, "end")[-1]["measured_over_predicted"]["allocated_peak_bytes"]
     l_ratio = events(l_log, "end")[-1]["measured_over_predicted"]["allocated_peak_bytes"]
-    assert q_ratio == pytest.approx(l_ratio, abs=0.06)
+    assert q_ratio == pytest.approx(l_ratio, abs=0.03)
     # The adapter alone (no merged 4-bit 'final' folder), and it reproduces the trained model.
     assert not (q_out / "final").exists() and (q_out / "adapter" / "adapter_model.safetensors").is_file()
     model = PeftModel.from_pretrained(load_quantized(base, qlora), str(q_out / "adapter")).eval()
