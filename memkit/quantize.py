@@ -25,6 +25,9 @@ What bitsandbytes 0.50 and transformers 5 do (read from the installed sources):
   dequantise the whole weight into a compute-dtype temporary (backends/default/ops.py
   _gemm_4bit_default_impl on CPU; on CUDA the same dequant + F.linear fallback above a few
   rows, backends/cuda/ops.py gemm_4bit) that is freed after its matmul.
+- Where it runs: plain PyTorch, one process or DDP (tests/e2e/test_runner_qlora.py: 2 gloo
+  processes). DeepSpeed (its engine casts and flattens the module's parameters), FSDP (needs
+  bnb_4bit_quant_storage in the shard dtype) and tp/pp splits are not verified and are refused.
 """
 from __future__ import annotations
 

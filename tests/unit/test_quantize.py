@@ -74,3 +74,17 @@ def test_refusals_are_one_line(changes, match):
     plan = TrainingPlan(engine="torch", precision="bf16", lora_rank=8, quantize_base="nf4").with_(**changes)
     with pytest.raises(MemkitError, match=match):
         plan.validate()
+
+
+def test_runner_refuses_a_4bit_base_under_deepspeed_and_takes_it_under_ddp():
+    """memkit/train/config.py resolve_plan with runner flags only (no plan.json)."""
+    from memkit.emit.deepspeed import deepspeed_config
+    from memkit.train.config import resolve_plan
+
+    flags = {"quantize_base": "nf4", "lora_rank": 8, "precision": "bf16"}
+    with pytest.raises(MemkitError, match="memkit runs 4-bit bases only with plain PyTorch / DDP"):
+        resolve_plan(plan=None, flags=flags, ds_config=deepspeed_config(TrainingPlan(zero_stage=2, dp=2)),
+                     world_size=2, distributed_type="DEEPSPEED")
+    plan = resolve_plan(plan=None, flags={**flags, "double_quant": False}, ds_config=None, world_size=2,
+                        distributed_type="MULTI_GPU")
+    assert (plan.engine, plan.dp, plan.quantize_base, plan.double_quant) == ("torch", 2, "nf4", False)
