@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from memkit.errors import MemkitError
 from memkit.parallel import split_knob_error
 from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error  # noqa: F401
+from memkit.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
@@ -66,6 +67,11 @@ class TrainingPlan:
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     lora_alpha: int = 16
     lora_dropout: float = 0.05
+    quantize_base: str = "none"
+    """'nf4' / 'fp4': the frozen base's linear weights in 4 bits (bitsandbytes), LoRA on top
+    (QLoRA); compute dtype from the precision. memkit/quantize.py states the rules."""
+    double_quant: bool = True
+    """With a 4-bit base: quantise the block scales too (QLoRA Sec. 3; bnb_4bit_use_double_quant)."""
     engine: str = "deepspeed"
     """'deepspeed' (ZeRO via DeepSpeed) or 'torch' (plain PyTorch/AMP, DDP, FSDP)."""
     fsdp_use_orig_params: bool = False
@@ -102,6 +108,10 @@ class TrainingPlan:
         return self.lora_rank > 0
 
     @property
+    def is_quantized(self) -> bool:
+        return self.quantize_base != "none"
+
+    @property
     def is_mixed(self) -> bool:
         return self.precision in ("fp16", "bf16")
 
@@ -131,6 +141,10 @@ class TrainingPlan:
                 raise MemkitError(f"--{name.replace('_', '-')} {value} must be a positive integer")
         if self.lora_rank < 0:
             raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
+        quantize_error = quantize_knob_error(self.quantize_base, lora_rank=self.lora_rank, precision=self.precision,
+                                             engine=self.engine, zero_stage=self.zero_stage, tp=self.tp, pp=self.pp)
+        if quantize_error:
+            raise MemkitError(quantize_error)
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise MemkitError(
                 f"--offload-optimizer {self.offload_optimizer} needs ZeRO; use --zero 1, 2 or 3"

@@ -5,6 +5,7 @@ import argparse
 
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.quantize import QUANTIZE_BASES
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
 from memkit.units import format_bytes, parse_bytes
@@ -40,6 +41,14 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
                     host_ram_bytes_per_node=host_ram).validate()
 
 
+def plan_engine(args: argparse.Namespace) -> str:
+    """--engine as given, else torch for a 4-bit base (memkit/quantize.py: plain PyTorch / DDP only)
+    and DeepSpeed otherwise."""
+    if args.engine:
+        return args.engine
+    return "torch" if (args.quantize_base or "none") != "none" else "deepspeed"
+
+
 def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> None:
     """The knobs of a TrainingPlan. For `suggest` every knob is optional (a pin)."""
     g = p.add_argument_group("plan")
@@ -63,8 +72,14 @@ def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> No
     g.add_argument("--lora-rank", type=int, default=default(0))
     g.add_argument("--lora-targets", default=None,
                    help="comma-separated module names (default q_proj,v_proj or the model's equivalents)")
-    g.add_argument("--engine", choices=("deepspeed", "torch"), default=default("deepspeed"),
-                   help="deepspeed (default) or torch (plain PyTorch AMP/DDP; zero 3 = FSDP)")
+    g.add_argument("--engine", choices=("deepspeed", "torch"), default=None,
+                   help="deepspeed (default; torch with --quantize-base) or torch (plain PyTorch AMP/DDP; "
+                        "zero 3 = FSDP)")
+    g.add_argument("--quantize-base", choices=QUANTIZE_BASES, default=default("none"),
+                   help="none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; "
+                        "needs --lora-rank; memkit/quantize.py)")
+    g.add_argument("--no-double-quant", action="store_true",
+                   help="with --quantize-base: keep the block scales in fp32 (default: double quantisation)")
 
 
 def check_positive(**values: int | None) -> None:

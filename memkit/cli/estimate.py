@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args, check_positive,
+from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args, check_positive, plan_engine,
                                hardware_from_args, lora_targets, render_breakdown)
 from memkit.plan import TrainingPlan
 
@@ -42,7 +42,8 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
         checkpointing=args.checkpointing, loss=args.loss, attention=args.attention,
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
         dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
-        lora_targets=lora_targets(args.lora_targets, model), engine=args.engine).validate()
+        lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args),
+        quantize_base=args.quantize_base, double_quant=not args.no_double_quant).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
              f"{', offload params ' + plan.offload_params if plan.offload_params != 'none' else ''}, "
              f"ckpt {plan.checkpointing}, loss {plan.loss}, {plan.attention}, micro {plan.micro_batch_size} x seq "
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
-             f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}")
+             f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}"
+             f"{', ' + plan.quantize_base + ' base' if plan.is_quantized else ''}")
     print(render_breakdown(est, title=title))
     for line in approximations:
         print(f"  approximated: {line}")

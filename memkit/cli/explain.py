@@ -121,6 +121,11 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     if plan["lora_rank"]:
         knobs.append(("LoRA", f"rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                               f"targets {','.join(plan['lora_targets'])}"))
+    if plan.get("quantize_base", "none") != "none":  # memkit/quantize.py
+        bnb = doc.get("bitsandbytes") or {}
+        knobs.append(("4-bit base", f"{plan['quantize_base']} (bitsandbytes), double quant "
+                                    f"{'on' if plan.get('double_quant', True) else 'off'}, compute dtype "
+                                    f"{bnb.get('bnb_4bit_compute_dtype', '?')}"))
     if plan["zero_stage"] >= 1:
         buckets = f"reduce {plan['reduce_bucket_size']:,}"
         if plan["zero_stage"] == 3:

@@ -10,6 +10,7 @@ from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_a
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.quantize import QUANTIZE_BASES
 from memkit.techniques import LOSSES, checkpointing_type
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
@@ -38,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "K that fits")
     pins.add_argument("--loss", choices=LOSSES,
                       help="default: standard, or chunked when the logits keep a plan from fitting")
+    pins.add_argument("--quantize-base", choices=QUANTIZE_BASES,
+                      help="with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: nf4 "
+                           "only when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster")
+    pins.add_argument("--no-double-quant", action="store_true",
+                      help="with a 4-bit base: keep the block scales in fp32 (default: double quantisation)")
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
@@ -101,6 +107,7 @@ def request_from_args(args: argparse.Namespace):
         offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
         checkpointing=args.checkpointing, loss=args.loss, attention=args.attention, max_micro_batch=args.max_micro_batch,
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
+        quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
         pp=parse_degree(args.pp, "--pp"),
         split="auto").validate()
 

@@ -184,6 +184,9 @@ def readme(document: dict, *, out_dir: str) -> str:
     if plan["lora_rank"]:
         lines.append(f"| LoRA | rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                      f"targets {', '.join(plan['lora_targets'])} |")
+    if plan.get("quantize_base", "none") != "none":
+        lines.append(f"| 4-bit base | {plan['quantize_base']}, double quant "
+                     f"{'on' if plan.get('double_quant', True) else 'off'} (bitsandbytes; memkit/quantize.py) |")
     lines += [
         f"| predicted peak per GPU | {est['nvidia_smi_peak_bytes'] / GIB:.1f} GiB as nvidia-smi shows it "
         f"({est['reserved_peak_bytes'] / GIB:.1f} reserved, {est['allocated_peak_bytes'] / GIB:.1f} allocated) "
@@ -214,6 +217,8 @@ def readme(document: dict, *, out_dir: str) -> str:
             f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
             "",
         ]
+        if plan.get("quantize_base", "none") != "none":  # a 4-bit base runs on plain PyTorch (memkit/quantize.py)
+            lines += trainer_section(document, out_dir=out_dir)
     if plan["optimizer"] in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]
@@ -234,6 +239,8 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
 
     entry = find_catalog_model(str(document["model"]))
     checkpoint = entry.hub_id if entry is not None else document["model"]  # a catalog name is no hub id
+    if recipe.quantization is not None:
+        return _quantized_trainer_lines(recipe, checkpoint=checkpoint, kwargs=kwargs, out_dir=out_dir)
     lines = [
         "With Hugging Face Trainer instead, pass these TrainingArguments (ds_config.json decides ZeRO, offload "
         "and the 16-bit mode; Trainer checks the batch, clipping, optimizer and precision flags against it):",
@@ -253,6 +260,40 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         lines += ["from peft import LoraConfig, get_peft_model",
                   f"model = get_peft_model(model, LoraConfig.from_pretrained({out_dir!r}))  # {PEFT_CONFIG_FILE}"]
     lines += ["```", "", f"Tokenize or pack the data to {recipe.max_length} tokens per sequence.", ""]
+    return lines
+
+
+def _quantized_trainer_lines(recipe, *, checkpoint: str, kwargs: str, out_dir: str) -> list[str]:
+    """README lines for a 4-bit (QLoRA) base with HF Trainer: Trainer has no flag for it, so the
+    BitsAndBytesConfig, prepare_model_for_kbit_training and the peft model are code
+    (memkit/train/quantize.py loads the same way; tests/unit/test_qlora_emit.py runs these lines)."""
+    dtype = recipe.quantization["bnb_4bit_compute_dtype"]
+    lines = [
+        "With Hugging Face Trainer instead (no DeepSpeed: a 4-bit base runs on plain PyTorch, DDP across GPUs), "
+        "pass these TrainingArguments:",
+        "",
+        "```",
+        " ".join(recipe.flags()),
+        "```",
+        "",
+        "and build the model the plan was priced with: the base loaded in 4 bits by bitsandbytes, prepared for "
+        "k-bit training (non-4-bit weights in fp32, frozen), LoRA on top:",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, BitsAndBytesConfig",
+        f"quantization = BitsAndBytesConfig(**{recipe.quantization!r})",
+        f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs}, quantization_config=quantization, "
+        f"dtype=torch.{dtype})",
+        *recipe.model_code,
+        "from peft import LoraConfig, get_peft_model",
+        f"model = get_peft_model(model, LoraConfig.from_pretrained({out_dir!r}))  # {PEFT_CONFIG_FILE}",
+        "```",
+        "",
+        f"Tokenize or pack the data to {recipe.max_length} tokens per sequence. Save with "
+        "`model.save_pretrained(DIR)`: peft writes the adapters only; the 4-bit base stays the original checkpoint.",
+        "",
+    ]
     return lines
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from memkit.emit.trainer import trainer_arguments
+from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.parallel import engines, split_limits
 from memkit.plan import TrainingPlan
@@ -84,6 +84,7 @@ def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory
         "rejected": rejected or [],
         "notes": notes or [],
         "versions": versions() if version_info is None else version_info,
+        **({"bitsandbytes": bnb_config_kwargs(plan)} if plan.is_quantized else {}),  # memkit/quantize.py
     }
 
 
@@ -93,7 +94,7 @@ def request_dict(request) -> dict:
            "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
            "split": request.split}
     for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
-                "checkpointing", "loss", "max_micro_batch", "tp", "pp"):
+                "checkpointing", "loss", "max_micro_batch", "tp", "pp", "quantize_base"):
         value = getattr(request, key)
         if value is not None:
             out[key] = value

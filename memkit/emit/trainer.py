@@ -46,6 +46,8 @@ class TrainerRecipe:
     """Tokens per training sequence: tokenize / pack the data to this length (Trainer has no flag)."""
     model_code: tuple[str, ...] = ()
     """Python lines to run on the model after from_pretrained (partial checkpointing, chunked loss)."""
+    quantization: dict | None = None
+    """transformers.BitsAndBytesConfig kwargs for a 4-bit base (from_pretrained quantization_config=)."""
 
     def flags(self, *, deepspeed_path: str | None = None) -> list[str]:
         """The command-line flags, as HfArgumentParser(TrainingArguments) parses them."""
@@ -100,6 +102,9 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     are set here; memkit/techniques.py says why the first) and the chunked loss (a model wrapper
     whose forward returns .loss without logits; memkit/train/chunked_loss.py)."""
     lines = []
+    if plan.is_quantized:  # memkit/quantize.py: fp32 rest, frozen base; the plan decides checkpointing
+        lines += ["from peft import prepare_model_for_kbit_training",
+                  "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)"]
     if plan.checkpointing not in ("none", "full"):
         what = ("every block, per op: matmul and attention outputs kept" if plan.checkpointing == "selective"
                 else f"the first {plan.checkpointing} decoder blocks")
@@ -111,8 +116,21 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def bnb_config_kwargs(plan: TrainingPlan) -> dict | None:
+    """transformers BitsAndBytesConfig kwargs of a 4-bit base (None without one): blocksize 64
+    is bitsandbytes' default; the compute dtype follows the precision (memkit/quantize.py).
+    BitsAndBytesConfig takes the dtype by name (transformers utils/quantization_config.py)."""
+    if not plan.is_quantized:
+        return None
+    from memkit.quantize import COMPUTE_DTYPE
+
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": plan.quantize_base,
+            "bnb_4bit_use_double_quant": plan.double_quant,
+            "bnb_4bit_compute_dtype": COMPUTE_DTYPE[plan.precision]}
+
+
 def trainer_recipe(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> TrainerRecipe:
     return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
                          model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
                          peft_config=lora_config(plan), max_length=plan.seq_len,
-                         model_code=model_code(plan))
+                         model_code=model_code(plan), quantization=bnb_config_kwargs(plan))

@@ -84,6 +84,7 @@ class _BlockReplay:
         # peft keeps adapter weights in fp32 (autocast_adapter_dtype=True, peft/tuners/lora/
         # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
         self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
+        self.base_4bit = plan.quantize_base != "none"  # bitsandbytes Linear4bit bases (memkit/quantize.py)
         self.uses_scores = False  # set when the block keeps s^2 attention probabilities
         self.cross = False  # a decoder block of an encoder-decoder model (cross-attention)
 
@@ -105,7 +106,9 @@ class _BlockReplay:
             return self.tape.lora_linear(x, out, rank_numel=self.tokens * self.plan.lora_rank,
                                          dropout=self.plan.lora_dropout > 0,
                                          weight_itemsize=self.num.weight_itemsize,
-                                         adapter_itemsize=self.adapter_itemsize)
+                                         adapter_itemsize=self.adapter_itemsize, base_4bit=self.base_4bit)
+        if self.base_4bit:
+            return self.tape.linear_4bit(x, out)
         return self.tape.linear(x, out, weight_grad=self.train_weights,
                                 weight_itemsize=self.num.weight_itemsize)
 

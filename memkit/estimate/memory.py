@@ -27,6 +27,7 @@ from memkit.estimate.pipeline import stage_buffers
 from memkit.estimate.bounds import QUANTILE, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
+from memkit.estimate.quantized import base_bytes, dequantized_weight_bytes
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.states import RankParams, model_states
 from memkit.estimate.techniques import (head_grad_lands_early, loss_activations, loss_component,
@@ -194,6 +195,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
     st = model_states(plan, rp, device=device)
+    quantized = base_bytes(model, plan, rp.num_params) if plan.is_quantized else {}  # estimate/quantized.py
+    if quantized:
+        st.weights = quantized.pop("weights")
     if not habits.foreach_optimizer and plan.engine == "torch" and plan.optimizer == "adamw":
         # torch < 2.0 loops over parameters: one parameter's sqrt temporary at a time (spec/stack.py)
         st.step_transient = min(st.step_transient, rp.largest_tensor * (2 if plan.precision == "bf16-pure" else 4))
@@ -214,6 +218,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             for lin in model.layer_linears  # MoE experts' grouped_mm is not autocast (transformers moe.py)
             if not lin.role.startswith("expert"))
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
+    if plan.is_quantized:  # 4-bit bases run bitsandbytes' matmul, which autocast does not cast (tape.py)
+        autocast_copy = 0
     in_flight = _in_flight(plan, stage)
     # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why), plus
     # under selective checkpointing their matmul / attention outputs (estimate/techniques.py).
@@ -263,6 +269,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     logits_bytes = plan.micro_batch_size * plan.seq_len * model.vocab_size // plan.tp * (num.autocast or num.weight_itemsize)
     pipe = stage_buffers(plan, stage, in_flight=in_flight, boundary_bytes=blk.input_bytes, logits_bytes=logits_bytes)
     base["pipeline_buffers"] = pipe.held_bytes
+    base.update(quantized)  # weights_4bit, quant_state
     if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
         base.update({f"offloaded_{name}": value for name, value in st.host.items()})
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
@@ -274,10 +281,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
     amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan, model)
+    dequant = dequantized_weight_bytes(model, plan) if plan.is_quantized else 0  # one linear's, in backward
 
     phases: dict[str, dict[str, int]] = {}
     phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
-                      "zero3_gathered_params": gather}
+                      "zero3_gathered_params": gather, **quantized}
     # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py).
     shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
                   if (habits.shifted_logits_copy and last and model.kind == "decoder"
@@ -305,6 +313,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
+                        "dequantized_weight": dequant,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
     phases["optimizer_step"] = {**base, **in_backward, "gradients": grads_end,
@@ -372,11 +381,14 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     notes = list(habits.notes)
     if plan.zero_stage == 3 and plan.engine == "deepspeed":
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
-    if num.autocast:
+    if num.autocast and not plan.is_quantized:
         notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
     if plan.engine == "torch" and plan.zero_stage == 3 and plan.pp == 1 and plan.grad_accum > 1:
         notes.append("FSDP with accumulation: gradients held unsharded between syncs (FSDP.no_sync, as "
                      "Accelerate and Lightning run it)")
+    if plan.is_quantized:
+        notes.append(f"{plan.quantize_base} base (bitsandbytes 4-bit, double quant {'on' if plan.double_quant else 'off'}): "
+                     "each linear dequantised into the compute dtype per matmul; the rest fp32")
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + context),

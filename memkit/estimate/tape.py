@@ -83,11 +83,19 @@ class Tape:
         out_size = self.autocast or weight_itemsize
         return Sym(out_numel, out_size, weight_grad or x.requires_grad)
 
+    def linear_4bit(self, x: Sym, out_numel: int) -> Sym:
+        """bitsandbytes Linear4bit (nn/modules.py forward; autograd/_functions.py MatMul4Bit): the
+        input cast to the compute dtype, the output cast back to the input's dtype; autograd saves
+        only the packed weight, and autocast does not cast it (no aten linear on its inputs)."""
+        return Sym(out_numel, x.itemsize, x.requires_grad)
+
     def lora_linear(self, x: Sym, out_numel: int, *, rank_numel: int, dropout: bool,
-                    weight_itemsize: int, adapter_itemsize: int) -> Sym:
+                    weight_itemsize: int, adapter_itemsize: int, base_4bit: bool = False) -> Sym:
         """peft LoraLayer.forward (peft/tuners/lora/layer.py): base(x) + lora_B(lora_A(dropout(x)))
-        * scaling, with x cast to the adapter's dtype first, the sum cast back to the base's."""
-        base = self.linear(x, out_numel, weight_grad=False, weight_itemsize=weight_itemsize)
+        * scaling, with x cast to the adapter's dtype first, the sum cast back to the base's.
+        A 4-bit base (peft/tuners/lora/bnb.py Linear4bit.forward) clones its output: a temporary."""
+        base = (self.linear_4bit(x, out_numel) if base_4bit else
+                self.linear(x, out_numel, weight_grad=False, weight_itemsize=weight_itemsize))
         xa = x if self.autocast else self.cast(x, adapter_itemsize)
         xd = self.dropout(xa) if dropout else xa
         a = self.linear(xd, rank_numel, weight_grad=True, weight_itemsize=adapter_itemsize)

@@ -20,6 +20,7 @@ from functools import lru_cache
 
 from memkit.estimate import kernels
 from memkit.estimate.flops import train_flops_per_token
+from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
@@ -323,9 +324,13 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) 
         # AccumulateGrad adds each 16-bit weight gradient into the fp32 .grad (2 + 4 read, 4 written).
         n = matmul_params(model) / (plan.tp * plan.pp)
         trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
-        cast = kernels.memory_time_s(gpu, 6 * n)
+        cast = kernels.memory_time_s(gpu, 6 * n * (not plan.is_quantized))  # 4-bit bases: no autocast cast
         total = total + _Pass(cast, kernels.memory_time_s(gpu, 10 * trainable), 0)
         recompute += cast * share
+    if plan.is_quantized:  # dequantisation and casts of the 4-bit linears (estimate/quantized.py)
+        fwd_b, bwd_b = dequant_traffic_bytes(model, plan, tokens)
+        total = total + _Pass(kernels.memory_time_s(gpu, fwd_b), kernels.memory_time_s(gpu, bwd_b), 0)
+        recompute += kernels.memory_time_s(gpu, fwd_b) * share
     return total, recompute
 
 

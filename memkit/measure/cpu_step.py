@@ -49,8 +49,10 @@ def build_config(model_config):
 
 
 def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
-                checkpoint_reentrant: bool = False):
-    """Model as `plan` trains it: dtype, attention kernel, checkpointing, LoRA. Seeded."""
+                checkpoint_reentrant: bool = False, quantized_from=None):
+    """Model as `plan` trains it: dtype, attention kernel, 4-bit base, checkpointing, LoRA. Seeded.
+    `quantized_from`: a folder holding this model's fp32 checkpoint (fresh_checkpoint), loaded
+    as the 4-bit base when the plan has one (memkit/train/quantize.py, the runner's code)."""
     import torch
     import transformers
 
@@ -61,7 +63,13 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     config.use_cache = False
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     auto = getattr(transformers, auto_class_for(config))  # causal LM, else seq2seq (T5), else masked LM
-    model = auto.from_config(config, attn_implementation=plan.attention, dtype=dtype)
+    if plan.is_quantized:
+        from memkit.train.quantize import load_quantized, quantize_fresh
+
+        model = (load_quantized(quantized_from, plan, config=config) if quantized_from is not None else
+                 quantize_fresh(auto.from_config(config, attn_implementation=plan.attention, dtype=dtype), plan))
+    else:
+        model = auto.from_config(config, attn_implementation=plan.attention, dtype=dtype)
     model.train()
     # The runner's code for checkpointing (all or the first K blocks) and the chunked loss (as the
     # bundle's Trainer recipe wraps the model: model(**batch).loss) -- memkit/train/techniques.py.
@@ -140,12 +148,15 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         raise MemkitError(f"--steps {num_steps}: need >= 2 so the last step has optimizer states")
 
     generator = torch.Generator().manual_seed(seed + 1)
+    folder = contextlib.ExitStack()
+    quantized_from = fresh_checkpoint(model_config, plan, seed, folder) if plan.is_quantized else None
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if plan.precision == "bf16" \
         else contextlib.nullcontext
     boundary: dict[str, dict] = {}
     with LiveTensorTracker() as tracker:
         with tracker.phase("init"):
-            model = build_model(model_config, plan, seed=seed, checkpoint_reentrant=checkpoint_reentrant)
+            model = build_model(model_config, plan, seed=seed, checkpoint_reentrant=checkpoint_reentrant,
+                                quantized_from=quantized_from)
             params = [p for p in model.parameters()]
             trainable = [p for p in params if p.requires_grad]
             optimizer, opt_kwargs = build_optimizer(trainable, plan, lr=lr, foreach=foreach)
@@ -171,6 +182,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
                 optimizer.zero_grad(set_to_none=set_to_none)
             boundary["after_zero_grad"] = _components(tracker, model, optimizer)
         del optimizer, model, params, trainable
+    folder.close()
 
     last = num_steps - 1
     phases = {"init": _phase_summary(tracker, tracker.records("init"))}
@@ -187,13 +199,29 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
     }
 
 
+def fresh_checkpoint(model_config, plan: TrainingPlan, seed: int, stack: contextlib.ExitStack) -> str:
+    """Save the seeded fp32 model to a temporary folder (removed when `stack` closes), before any
+    tracker starts, so the measured run only loads it as a 4-bit base (bitsandbytes quantises
+    while transformers loads a checkpoint)."""
+    import tempfile
+
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="memkit-qlora-"))
+    build_model(model_config, plan.with_(quantize_base="none", lora_rank=0, checkpointing="none",
+                                         loss="standard"), seed=seed).save_pretrained(folder)
+    return folder
+
+
 def count_params(model_config, plan: TrainingPlan) -> dict:
     """Distinct parameter and trainable-parameter counts of the model `plan` trains (ties counted once)."""
     model = build_model(model_config, plan)
     seen: dict[int, Any] = {}
     for p in model.parameters():
         seen[id(p)] = p
-    return {"num_params": sum(p.numel() for p in seen.values()),
+    def numel(p):  # a 4-bit weight holds two elements per byte (bitsandbytes Params4bit)
+        state = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+        return state.shape.numel() if state is not None else p.numel()
+
+    return {"num_params": sum(numel(p) for p in seen.values()),
             "num_trainable_params": sum(p.numel() for p in seen.values() if p.requires_grad)}
 
 

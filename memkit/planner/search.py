@@ -38,8 +38,8 @@ from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
 from memkit.parallel import split_name
 from memkit.plan import TrainingPlan
-from memkit.planner.space import (Request, Tier, describe, layouts, micro_batch_options, structures,
-                                  tiers, with_micro)
+from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options,
+                                  structures, tiers, with_micro)
 from memkit.units import GIB
 
 
@@ -204,6 +204,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
     num_structures = 0
     tier_list = tiers(request)
     phases = _phases(request, lays)
+    request_notes = tuple(notes)
     for i, tier in enumerate(tier_list):
         tier_rejected: list[Rejection] = []
         plain_found: list[Candidate] = []
@@ -221,7 +222,9 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                 notes += [split_note] if split_note else []
             if not found:
                 continue
-            if i > 0:
+            if i > 0 and tier.name == QUANTIZED_TIER:
+                notes.append(quantized_note(found[0].plan, None))
+            elif i > 0:
                 notes.append(f"no {tier_list[0].name}-tier plan (AdamW, mixed precision or fp32) fits; "
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
             found, risk_note = _prefer_low_risk(request, found)
@@ -236,11 +239,47 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
             if chosen.plan.tp > 1 or chosen.plan.pp > 1:
                 reason = _split_reason(request, ev, tier, chosen, lays, plain_found=plain_found,
                                        earlier=tier_rejected)
-            return SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
-                                rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
-                                num_memory_estimates=ev.num_calls, split_reason=reason)
+            result = SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
+                                  rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
+                                  num_memory_estimates=ev.num_calls, split_reason=reason)
+            if tier.name != QUANTIZED_TIER and tier_list[-1].name == QUANTIZED_TIER and _offloads(chosen.plan):
+                result = _quantized_instead(ev, tier_list[-1], [lay for lay in lays if not _is_split(lay)],
+                                            result, keep=num_alternatives + 2, notes=request_notes) or result
+            return result
         all_rejected += tier_rejected
     raise _no_fit(request, ev, all_rejected)
+
+
+def _offloads(plan: TrainingPlan) -> bool:
+    return plan.offload_optimizer != "none" or plan.offload_params != "none"
+
+
+def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResult, *, keep: int,
+                       notes: tuple[str, ...] = ()) -> SearchResult | None:
+    """The QLoRA rule for an unpinned LoRA request: a 4-bit base changes the frozen weights'
+    numerics (QLoRA Sec. 4-5 report 16-bit LoRA parity with NF4 + double quantisation, on their
+    benchmarks only), so it is tried only when the fastest 16-bit-base plan that fits must offload
+    to the host, and chosen when the step-time model prices it faster than that plan."""
+    structs = [s for lay in lays for s in structures(ev.request, tier, lay)]
+    found, _rejected = _run(ev, structs, tier, keep=keep)
+    if not found or found[0].speed.step_time_s >= offloaded.chosen.speed.step_time_s:
+        return None
+    chosen = found[0]
+    notes = [*notes, quantized_note(chosen.plan, offloaded.chosen), *_technique_notes(ev, chosen.plan)]
+    return replace(offloaded, chosen=chosen,
+                   alternatives=tuple([offloaded.chosen] + _distinct(found[1:], chosen, len(offloaded.alternatives))),
+                   rejected=(), notes=tuple(notes), num_structures=offloaded.num_structures + len(structs),
+                   num_memory_estimates=ev.num_calls, split_reason="")
+
+
+def quantized_note(plan: TrainingPlan, offloaded: Candidate | None) -> str:
+    """suggest's words for a chosen 4-bit base (memkit/quantize.py)."""
+    why = (f"the fastest 16-bit-base LoRA plan that fits offloads ({offloaded.label}, "
+           f"{offloaded.speed.step_time_s:.2f} s/step)" if offloaded is not None
+           else "no 16-bit-base LoRA plan fits")
+    return (f"{plan.quantize_base} 4-bit base (QLoRA, bitsandbytes{', double quant' if plan.double_quant else ''}): "
+            f"{why}; the frozen weights are stored in 4 bits and dequantised per matmul, which changes "
+            "their numerics (pin --quantize-base none to refuse it)")
 
 
 HEADROOM_RISK_FRACTION = 0.05

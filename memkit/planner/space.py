@@ -17,6 +17,7 @@ from memkit.errors import MemkitError
 from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              validate_parallel)
 from memkit.plan import MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.quantize import QUANTIZE_BASES
 from memkit.techniques import checkpointing_error, loss_knob_error, partial_blocks_error
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -69,6 +70,10 @@ class Request:
     max_micro_batch: int | None = None
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    quantize_base: str | None = None
+    """None: with LoRA, a 4-bit NF4 base is tried only when no 16-bit-base plan fits without
+    offloading (search.py, QUANTIZED_TIER); 'none' never; 'nf4'/'fp4' always (memkit/quantize.py)."""
+    double_quant: bool = True
     tp: int | None = None
     """Tensor-parallel degree; None lets the planner choose (see `split`) among the degrees that
     divide the heads, the KV heads, the MLP width and the GPUs per node."""
@@ -126,6 +131,8 @@ class Request:
                 raise MemkitError(f"{flag} nvme needs --nvme-path DIR (a local NVMe mount on every node)")
         if self.lora_rank < 0:
             raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
+        if self.quantize_base is not None and self.quantize_base not in QUANTIZE_BASES:
+            raise MemkitError(f"--quantize-base {self.quantize_base!r} is not one of {', '.join(QUANTIZE_BASES)}")
         if self.lora_rank and not set(self.lora_targets) & set(model.linear_names()):
             raise MemkitError(f"--lora-targets {','.join(self.lora_targets)} match no linear of {model.name}; "
                               f"its linears: {', '.join(model.linear_names())}")
@@ -159,7 +166,8 @@ class Request:
                 checkpointing=self.checkpointing or "none", loss=self.loss or "standard",
                 attention=self.attention,
                 seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets,
-                tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp))
+                tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp,
+                **quantized_knobs(self.quantize_base or "none", self.double_quant)))
             try:
                 probe.validate()
                 break
@@ -190,6 +198,8 @@ class Tier:
     name: str
     precisions: tuple[str, ...]
     optimizers: tuple[str, ...]
+    quantize_base: str = "none"
+    """'nf4' / 'fp4': every plan of the tier has a 4-bit base (memkit/quantize.py)."""
 
 
 def tiers(request: Request) -> list[Tier]:
@@ -200,11 +210,14 @@ def tiers(request: Request) -> list[Tier]:
     lean_prec = ("bf16-pure",) if gpu.bf16 else ()
     precs = (request.precision,) if request.precision else None
     opts = (request.optimizer,) if request.optimizer else None
-    reference = Tier("reference", precs or ref_prec, opts or REFERENCE_OPTIMIZERS)
-    lean = Tier("memory-lean", precs or ref_prec + lean_prec, opts or REFERENCE_OPTIMIZERS + LEAN_OPTIMIZERS)
-    if precs and opts:
-        return [reference]
-    return [reference, lean]
+    pinned_q = request.quantize_base if request.quantize_base not in (None, "none") else "none"
+    reference = Tier("reference", precs or ref_prec, opts or REFERENCE_OPTIMIZERS, pinned_q)
+    lean = Tier("memory-lean", precs or ref_prec + lean_prec, opts or REFERENCE_OPTIMIZERS + LEAN_OPTIMIZERS, pinned_q)
+    out = [reference] if precs and opts else [reference, lean]
+    if request.quantize_base is None and request.lora_rank > 0:  # search.py: only if 16-bit bases need offload
+        # AdamW only: LoRA's optimizer states are too small for a lean optimizer to matter
+        out.append(Tier(QUANTIZED_TIER, precs or ref_prec, opts or REFERENCE_OPTIMIZERS, "nf4"))
+    return out
 
 
 def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
@@ -336,6 +349,9 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
     zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
+    quantized = quantized_knobs(tier.quantize_base, request.double_quant)
+    if quantized:  # memkit/quantize.py: plain PyTorch / DDP, nothing offloaded
+        zeros = [z for z in zeros if z == 0]
     # Partial checkpointing (K blocks) is searched from each 'full' plan that fits (search.py
     # finds the smallest K); the chunked loss is a structure of its own (memkit/techniques.py).
     # Selective checkpointing only when pinned: its recompute (elementwise, memory-bound ops) is
@@ -349,7 +365,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
             for zero in zeros:
                 if precision == "bf16-pure" and zero == 0:
                     continue  # DeepSpeed keeps bf16 master weights only under ZeRO 1-3
-                combos = _offload_combos(request, zero)
+                combos = _offload_combos(request, zero) if not quantized else [("none", "none")]
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
                         for ckpt, loss in ((c, lo) for c in ckpts for lo in losses):
@@ -360,7 +376,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 attention=request.attention, micro_batch_size=1, grad_accum=accum,
                                 seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
-                                overlap_comm=overlap, **buckets)
+                                overlap_comm=overlap, **buckets, **quantized)
                             plan = split_plan(plan)
                             try:
                                 plan.validate()
@@ -370,6 +386,17 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 continue
                             out.append(plan)
     return out
+
+
+QUANTIZED_TIER = "quantized-base"
+"""The tier of 4-bit-base LoRA plans the planner adds for an unpinned LoRA request (search.py)."""
+
+
+def quantized_knobs(quantize_base: str, double_quant: bool) -> dict:
+    """Plan fields of a 4-bit base ({} for none): memkit/quantize.py runs them on plain PyTorch."""
+    if quantize_base == "none":
+        return {}
+    return {"quantize_base": quantize_base, "double_quant": double_quant, "engine": "torch"}
 
 
 def with_micro(plan: TrainingPlan, micro: int) -> TrainingPlan:
@@ -389,6 +416,8 @@ def describe(plan: TrainingPlan) -> str:
         parts.append(plan.optimizer)
     if plan.is_lora:
         parts.append(f"LoRA r{plan.lora_rank}")
+    if plan.is_quantized:
+        parts.append(f"{plan.quantize_base} base")
     if plan.checkpointing == "full":
         parts.append("ckpt")
     elif plan.checkpointing == "selective":

@@ -345,7 +345,7 @@ def merge_lora_state_dict(state: dict, *, scaling: float) -> dict:
     return out
 
 
-def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scaling: float | None,
+def save_final_model(accelerator, model, tokenizer, folder: Path | None, *, lora_scaling: float | None,
                      adapter_dir: Path | None = None, base_model: str | None = None) -> None:
     """An HF folder (config, safetensors, tokenizer) that from_pretrained loads. Collective.
 
@@ -353,6 +353,8 @@ def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scalin
     adapter_config.json, what PeftModel.from_pretrained loads onto the base model). It is not put
     inside `folder`: transformers' from_pretrained treats a folder with adapter_config.json as an
     adapter and loads its base model instead (transformers: utils/peft_utils.py, find_adapter_config_file).
+    `folder` None (a 4-bit base, memkit/quantize.py): the adapter only; merging it into packed 4-bit
+    weights would re-quantise them, so the result is the original base + this adapter.
     """
     state = gathered_state_dict(accelerator, model)
     if not accelerator.is_main_process:
@@ -362,6 +364,9 @@ def save_final_model(accelerator, model, tokenizer, folder: Path, *, lora_scalin
     if lora_scaling is not None:  # a PeftModel: save the merged weights under the base model
         if adapter_dir is not None:
             save_adapter(unwrapped, state, adapter_dir, base_model=base_model)
+        if folder is None:
+            accelerator.wait_for_everyone()
+            return
         state = merge_lora_state_dict(state, scaling=lora_scaling)
         unwrapped = unwrapped.get_base_model()
     folder.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
 PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "micro_batch_size", "grad_accum",
-              "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
+              "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping",
+              "quantize_base", "double_quant")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")

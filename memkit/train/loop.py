@@ -573,7 +573,7 @@ def _finish(st: _Run) -> dict:
         _evaluate(st)
     final_dir = None
     if st.interrupted_by is None and run.save_final and plan.tp * plan.pp == 1:
-        final_dir = out_dir / "final"
+        final_dir = out_dir / "final" if not plan.is_quantized else None  # 4-bit base: the adapter only
         lora_scaling = plan.lora_alpha / plan.lora_rank if plan.is_lora else None
         save_final_model(accelerator, st.model, st.tokenizer, final_dir, lora_scaling=lora_scaling,
                          adapter_dir=out_dir / "adapter" if plan.is_lora else None,
@@ -694,7 +694,12 @@ def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_
     from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
 
     is_ds = ds_config is not None
-    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    if plan.is_quantized:  # the base loaded in 4 bits (memkit/train/quantize.py)
+        from memkit.train.model import build_quantized
+
+        model = build_quantized(model_source, model_config, plan, seed=run.seed, device=accelerator.device)
+    else:
+        model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
     if has_batchnorm(model):
         warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
                       "statistics (each micro-batch is normalised alone), so micro x accum is not "

@@ -22,6 +22,7 @@ from typing import Any
 
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.quantize import QUANTIZE_BASES
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import RunConfig
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g.add_argument("--lora-dropout", type=float)
     g.add_argument("--lora-targets", help="comma-separated module names, e.g. q_proj,v_proj")
     g.add_argument("--gradient-clipping", type=float, help="max global grad norm (0 = off)")
+    g.add_argument("--quantize-base", choices=QUANTIZE_BASES,
+                   help="nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)")
+    g.add_argument("--no-double-quant", action="store_true", help="with a 4-bit base: fp32 block scales")
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
     o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
@@ -100,7 +104,8 @@ def plan_flags(args: argparse.Namespace) -> dict:
             "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
             "lora_targets": tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-            "gradient_clipping": args.gradient_clipping}
+            "gradient_clipping": args.gradient_clipping,
+            "quantize_base": args.quantize_base, "double_quant": False if args.no_double_quant else None}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

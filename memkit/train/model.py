@@ -66,6 +66,17 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
     return model
 
 
+def build_quantized(source: ModelSource, config, plan: TrainingPlan, *, seed: int, device):
+    """build_model's model with its linears in 4 bits on `device`, prepared for k-bit training
+    (memkit/train/quantize.py): the folder's checkpoint, or the fresh seeded weights through a
+    temporary save."""
+    from memkit.train.quantize import load_quantized, quantize_fresh
+
+    if source.has_weights:
+        return load_quantized(source.folder, plan, device=str(device), config=config)
+    return quantize_fresh(build_model(source, config, attention=plan.attention, seed=seed), plan, device=str(device))
+
+
 def apply_plan(model, plan: TrainingPlan):
     """Activation checkpointing (all or the first K blocks), the loss head and LoRA as the plan
     says (memkit/train/techniques.py); returns the (maybe wrapped) model."""
@@ -93,6 +104,8 @@ def count_params(model) -> tuple[int, int]:
     total = trainable = 0
     for param in model.parameters():
         numel = getattr(param, "ds_numel", None) or param.numel()
+        if type(param).__name__ == "Params4bit" and param.quant_state is not None:  # two elements per byte
+            numel = param.quant_state.shape.numel()
         total += numel
         if param.requires_grad:
             trainable += numel

@@ -91,6 +91,10 @@ def test_every_answer_is_exact_and_within_budget(req):
         if plan.pp > 1:  # torch.distributed.pipelining: no DeepSpeed file, >= pp micro-batches
             assert plan.engine == "torch" and plan.zero_stage == 0 and plan.grad_accum >= plan.pp
             continue
+        if plan.is_quantized:  # a 4-bit base: plain PyTorch / DDP, no DeepSpeed file (memkit/quantize.py)
+            assert plan.engine == "torch" and plan.zero_stage == 0 and plan.lora_rank > 0
+            assert plan.offload_optimizer == plan.offload_params == "none"
+            continue
         ds = deepspeed_config(plan)
         # DeepSpeed counts every process in its batch check (AutoTP: dp x tp of them).
         assert ds["train_batch_size"] == req.global_batch_size * plan.tp

@@ -1,0 +1,61 @@
+"""The runner's side of QLoRA (rules and bytes: memkit/quantize.py): load the base with its linear
+weights in 4 bits through transformers' BitsAndBytesConfig, then peft's
+prepare_model_for_kbit_training. Used by memkit/train/loop.py and memkit/measure/cpu_step.py, and
+printed into the bundle's Trainer recipe (memkit/emit/trainer.py bnb_config_kwargs), so the
+runner, the CPU measurements and a user's own script load the model the same way.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.quantize import COMPUTE_DTYPE
+
+
+def bnb_config(plan: TrainingPlan):
+    """transformers.BitsAndBytesConfig for the plan (the kwargs the bundle prints)."""
+    from transformers import BitsAndBytesConfig
+
+    from memkit.emit.trainer import bnb_config_kwargs
+
+    return BitsAndBytesConfig(**bnb_config_kwargs(plan))
+
+
+def load_quantized(folder: str | Path, plan: TrainingPlan, *, device: str = "cpu", config=None):
+    """from_pretrained(folder) with the 4-bit base on `device`, loaded in the compute dtype (as the
+    QLoRA recipe does: the dequantised weights come back in it), prepared for k-bit training
+    (use_gradient_checkpointing=False: the plan's checkpointing is applied afterwards)."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"config": config} if config is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=bnb_config(plan), device_map={"": device},
+        attn_implementation=HF_ATTN_IMPLEMENTATION[plan.attention], dtype=getattr(torch, COMPUTE_DTYPE[plan.precision]),
+        **kwargs)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def quantize_fresh(model, plan: TrainingPlan, *, device: str = "cpu"):
+    """A model built from a config (fresh weights) as a 4-bit base: bitsandbytes quantises while
+    transformers loads a checkpoint, so the weights go through a temporary save_pretrained."""
+    config = model.config
+    with tempfile.TemporaryDirectory(prefix="memkit-qlora-") as tmp:
+        # Every rank writes and quantises its own copy (transformers 5's save_pretrained leaves
+        # the shard writing to rank 0 under torch.distributed); safetensors' save_model drops tied duplicates.
+        from safetensors.torch import save_model
+
+        config.save_pretrained(tmp)
+        save_model(model, str(Path(tmp) / "model.safetensors"))
+        del model
+        return load_quantized(tmp, plan, device=device, config=config)
+
+
+def count_4bit(model) -> int:
+    """Elements of the base stored in 4 bits (Params4bit holds two per byte)."""
+    return sum(p.quant_state.shape.numel() for p in model.parameters()
+               if type(p).__name__ == "Params4bit" and p.quant_state is not None)

@@ -1,0 +1,58 @@
+"""The estimator against measured memory for QLoRA (4-bit bitsandbytes bases + LoRA): NF4 and
+FP4, with and without double quantisation, fp32 and bf16 autocast, checkpointing and the chunked
+loss on top, on Llama (GQA, untied head), Qwen2 (tied head) and GPT-2 (Conv1D linears).
+tests/golden/cpu_measurements_qlora.json is written by
+`python benchmarks/measure_cpu_qlora.py --out tests/golden/cpu_measurements_qlora.json`
+(the runner's loading code: memkit/train/quantize.py). Same tolerance as
+tests/unit/test_estimate_measured.py; measured: all rows within 3.2 %.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memkit.estimate.memory import estimate_memory
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import spec_from_config
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements_qlora.json"
+TOLERANCE = 0.05
+ROWS = json.loads(GOLDEN.read_text())["rows"]
+
+
+def _estimate(row):
+    spec = spec_from_config(dict(row["model_config"]), name=row["arch"])
+    plan = TrainingPlan.from_dict(row["plan"])
+    return estimate_memory(spec, plan, Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=1), device="cpu")
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_qlora_estimate_within_tolerance_of_measured_peak(row):
+    est = _estimate(row)
+    peak = row["measured"]["peak_bytes"]
+    assert est.allocated_peak_bytes == pytest.approx(peak, rel=TOLERANCE), (
+        f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs measured {peak}")
+    assert est.num_trainable_params == row["num_trainable_params"]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_packed_weights_and_fp32_rest_are_the_measured_parameter_bytes(row):
+    """Exact: the Params4bit storages (ceil(n/2) bytes each) + the fp32 embedding, norms, head and
+    adapters are the parameter bytes measured from the model's objects."""
+    est = _estimate(row)
+    measured = row["measured"]["boundary"]["after_zero_grad"]["params_bytes"]
+    assert est.components["weights"] + est.components["weights_4bit"] == measured
+
+
+def test_each_4bit_setting_is_measured_on_two_architectures():
+    by_setting: dict[str, set[str]] = {}
+    for row in ROWS:
+        plan = row["plan"]
+        by_setting.setdefault(plan["quantize_base"], set()).add(row["arch"])
+        by_setting.setdefault("double quant" if plan["double_quant"] else "fp32 scales", set()).add(row["arch"])
+        by_setting.setdefault(plan["precision"], set()).add(row["arch"])
+    assert {k: len(v) >= 2 for k, v in by_setting.items()} == {
+        "nf4": True, "fp4": True, "double quant": True, "fp32 scales": True, "fp32": True, "bf16": True}
