@@ -23,7 +23,7 @@ from dataclasses import replace
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
-from memkit.estimate.pipeline import stage_buffers
+from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.estimate.bounds import QUANTILE, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
@@ -266,7 +266,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # A pipeline's last stage computes each in-flight micro-batch's loss in its forward.
     head_saved = (head.saved_bytes + head_copy) * in_flight if last else 0
     # Receive buffers, stage outputs and pending sends of torch.distributed.pipelining (pipeline.py).
-    logits_bytes = plan.micro_batch_size * plan.seq_len * model.vocab_size // plan.tp * (num.autocast or num.weight_itemsize)
+    logits_bytes = stage_logits_bytes(plan, vocab_size=model.vocab_size, itemsize=num.autocast or num.weight_itemsize)
     pipe = stage_buffers(plan, stage, in_flight=in_flight, boundary_bytes=blk.input_bytes, logits_bytes=logits_bytes)
     base["pipeline_buffers"] = pipe.held_bytes
     base.update(quantized)  # weights_4bit, quant_state
@@ -312,7 +312,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
-                        "backward_temporaries": blk.backward_transient_bytes + landing,
+                        "backward_temporaries": blk.backward_transient_bytes + landing
+                        - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
                         "dequantized_weight": dequant,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}

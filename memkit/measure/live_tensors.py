@@ -199,6 +199,17 @@ class LiveTensorTracker(TorchDispatchMode):
         """Bytes by tag at the overall peak."""
         return self.live_at(self.peak_seq)
 
+    @property
+    def now_seq(self) -> int:
+        """Number of the latest event (an allocation, free or resize)."""
+        return self._now
+
+    def live_born_after(self, seq: int, *, exclude: Iterable = ()) -> int:
+        """Bytes of the storages allocated after event `seq` that are still alive, other than
+        those behind the tensors in `exclude`."""
+        skip = {id(s) for s in _storages(exclude)}
+        return sum(e.nbytes for key, e in list(self._entries.items()) if e.born_seq > seq and key not in skip)
+
     # ---- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

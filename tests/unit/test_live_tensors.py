@@ -22,6 +22,20 @@ def test_allocation_and_free_exact_bytes():
     assert tracker.peak_bytes == 4200
 
 
+def test_live_born_after_counts_only_later_survivors():
+    with LiveTensorTracker() as tracker:
+        old = torch.empty(100)  # 400 B, before the mark
+        mark = tracker.now_seq
+        out = torch.empty(50)  # 200 B, excluded
+        tmp = torch.empty(25)  # 100 B
+        view = out[:10]
+        assert tracker.live_born_after(mark, exclude=[view]) == 100
+        del tmp
+        assert tracker.live_born_after(mark, exclude=[out]) == 0
+        assert tracker.live_born_after(mark) == 200
+        del old, out, view
+
+
 def test_views_and_inplace_share_one_storage():
     with LiveTensorTracker() as tracker:
         a = torch.zeros(256)  # 1024 B

@@ -10,12 +10,16 @@ allocated each storage with memkit.measure.live_tensors:
   logits (fwd_cache) during its backward.
 - GPipe stage 0: 4 gradient receive buffers + 4 outputs = 8; stage 1: the 4 receive buffers are the
   4 in-flight inputs, and the 4 micro-batches' logits are alive at the first backward.
+- tp=2 x pp=2 stage 1: the logits fwd_cache keeps through the loss backward are the gathered
+  (2, 64, 512) fp32 `cat` output (262,144 B), not the local (2, 64, 256) shard; stage 0's top-block
+  backward starts from a gradient receive buffer (the 4 empty_strided buffers are all there is of
+  the hidden-stream gradient at that stage's peak besides the down projection's two outputs).
 """
 from __future__ import annotations
 
 import pytest
 
-from memkit.estimate.pipeline import stage_buffers
+from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.plan import TrainingPlan
 
 BOUNDARY = 2 * 64 * 128 * 4
@@ -37,9 +41,21 @@ def test_stage_buffers_count_the_tensors_measured_at_the_peak(schedule, stage, i
     got = stage_buffers(_plan(schedule), stage, in_flight=in_flight, boundary_bytes=BOUNDARY, logits_bytes=LOGITS)
     assert got.held_bytes == held * BOUNDARY
     assert (got.forward_logits_bytes, got.backward_logits_bytes) == (fwd_logits * LOGITS, bwd_logits * LOGITS)
+    assert got.output_grad_in_buffer_bytes == (BOUNDARY if stage == 0 else 0)
+
+
+def test_tensor_parallel_stage_returns_the_gathered_logits():
+    plan = TrainingPlan(precision="fp32", micro_batch_size=2, grad_accum=4, seq_len=64, pp=2, tp=2,
+                        engine="torch", tp_engine="tp_plan")
+    assert stage_logits_bytes(plan, vocab_size=512, itemsize=4) == LOGITS
+    # loss parallel (sequence parallel) keeps them sharded by vocabulary
+    sp = TrainingPlan(precision="fp32", micro_batch_size=2, grad_accum=4, seq_len=64, tp=2, sequence_parallel=True,
+                      engine="torch", tp_engine="tp_plan")
+    assert stage_logits_bytes(sp, vocab_size=512, itemsize=4) == LOGITS // 2
 
 
 def test_no_pipeline_no_buffers():
     plan = TrainingPlan(precision="fp32", micro_batch_size=2, grad_accum=4, seq_len=64)
     got = stage_buffers(plan, 0, in_flight=1, boundary_bytes=BOUNDARY, logits_bytes=LOGITS)
-    assert (got.held_bytes, got.forward_logits_bytes, got.backward_logits_bytes) == (0, 0, 0)
+    assert (got.held_bytes, got.forward_logits_bytes, got.backward_logits_bytes,
+            got.output_grad_in_buffer_bytes) == (0, 0, 0, 0)
