@@ -20,13 +20,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from memkit.calibration import _CONFIG_DIRS, _lora_targets, as_sequence_classifier
+from memkit.calibration import _CONFIG_DIRS, _lora_targets, _stack, as_sequence_classifier
 from memkit.errors import MemkitError
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.spec.model import ModelSpec
+from memkit.spec.stack import Stack
 
 _PRECISIONS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16-pure"}
 # record engine -> (memkit engine, ZeRO stage when the record gives none)
@@ -50,6 +51,8 @@ class ThroughputCase:
     """The plan, or the two ends of a bracket whose step times are averaged (selective AC: every
     second block checkpointed, priced as the mean of no AC and full AC)."""
     hardware: Hardware | None = None
+    stack: Stack | None = None
+    """The source's software versions, as far as it states them (memkit/calibration.py _SOURCE_STACKS)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
@@ -79,8 +82,9 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
+    stack = _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
-                          approx=tuple(approx), **base)
+                          stack=stack, approx=tuple(approx), **base)
 
 
 def _skip_reason(record: dict) -> str:
@@ -224,7 +228,7 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     if case.skip_reason:
         return ThroughputOutcome(case=case)
     try:
-        ests = [estimate_step_time(case.model, p, case.hardware) for p in case.plans]
+        ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack) for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]

@@ -25,6 +25,7 @@ from memkit.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import Linear, ModelSpec
+from memkit.spec.stack import Stack, behaviour
 
 # ---- constants (each cites where it comes from) -----------------------------------------------
 
@@ -83,6 +84,16 @@ one fused kernel per tensor plus state bookkeeping (bitsandbytes/optim/optimizer
 Optimizer8bit.step -> update_step); transformers Adafactor runs ~15 tensor ops per parameter
 (transformers/optimization.py Adafactor.step: grad^2, row/col means, two lerps, rsqrt factors,
 their product, times grad, RMS, clamp, divide, lr scale, RMS of the param, update)."""
+
+SINGLE_TENSOR_OPTIMIZER = {"adamw": (9, 92), "sgd": (3, 32)}
+"""(kernels per parameter tensor, HBM bytes per parameter) of torch.optim's per-parameter loop,
+which torch < 2.0 runs by default (spec/stack.py FOREACH_DEFAULT_TORCH): torch 1.x
+torch/optim/_functional.py adamw issues param.mul_ (weight decay), exp_avg.mul_().add_(),
+exp_avg_sq.mul_().addcmul_(), sqrt(), / bias correction, .add_(eps), param.addcdiv_() -- 9 kernels,
+each a full fp32 pass (8 + 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16 = 92 B per parameter, against 32 for
+the fused / foreach step); sgd with momentum buf.mul_().add_(), param.add_() -- 3 kernels, 32 B.
+transformers' own AdamW (adamw_hf, HF Trainer's default before v4.38) has the same loop shape
+(transformers/optimization.py AdamW.step, 8 kernels)."""
 
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
 """DeepSpeed ZeRO-3 only: its pre/post forward and backward hooks on each of a block's ~10
@@ -370,10 +381,15 @@ def _intra_link(gpu: GPU) -> _Link:
 
 def _dp_link(plan: TrainingPlan, hardware: Hardware) -> _Link:
     """DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron);
-    otherwise the ring crosses the network at the per-GPU NIC bandwidth."""
+    otherwise the ring crosses the network. NCCL builds one ring per channel and routes each
+    channel's node crossing through a different NIC (NVIDIA/nccl src/graph/search.cc, rings per
+    NIC), so a ring collective's bus bandwidth is the NICs of the group's ranks on one node
+    together, capped by NVLink: 2 A100 nodes with 8 x 100 Gb/s NICs measure 600 Gb/s busbw,
+    "roughly matching our expectation" (NVIDIA/nccl issue #495, kwen2501), not one NIC's 100."""
     if hardware.num_nodes == 1 or plan.tp * plan.dp <= hardware.num_gpus_per_node:
         return _intra_link(hardware.gpu)
-    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps), "net")
+    ranks_per_node = max(1, min(plan.dp, hardware.num_gpus_per_node // plan.tp))
+    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps * ranks_per_node), "net")
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,7 +510,9 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 
 # ---- the step -----------------------------------------------------------------------------------
 
-def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> StepTimeEstimate:
+def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
+                       stack: Stack | None = None) -> StepTimeEstimate:
+    """`stack`: the versions the run uses (spec/stack.py); None = current behaviour."""
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
@@ -537,10 +555,15 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
         trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
                      else model.num_params) / (plan.tp * plan.pp)
         partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
-        t_opt = kernels.memory_time_s(gpu, partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer])
+        bytes_per_param = GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer]
+        ops_per_tensor = OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+        looped = (plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER
+                  and not behaviour(stack).foreach_optimizer)
+        if looped:
+            ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
+        t_opt = kernels.memory_time_s(gpu, partition * bytes_per_param)
         if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
-            t_opt = max(t_opt, _param_tensors(model, plan) * OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
-                        * OP_DISPATCH_S)
+            t_opt = max(t_opt, _param_tensors(model, plan) * ops_per_tensor * OP_DISPATCH_S)
 
     step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)

@@ -1,0 +1,71 @@
+"""Hand-worked checks of the step-time terms added in session 3 (memkit/estimate/throughput.py,
+kernels.py): the multi-node ring over all of a node's NICs, the Hopper sustained clock, and
+torch 1.x's per-parameter optimizer loop."""
+from __future__ import annotations
+
+import pytest
+
+from memkit.estimate import kernels
+from memkit.estimate import throughput as tp_model
+from memkit.estimate.throughput import estimate_step_time
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import load_model_spec
+from memkit.spec.stack import Stack
+
+LLAMA1B = load_model_spec("llama-3.2-1b")
+A100 = find_gpu("a100-80gb")
+H100 = find_gpu("h100-80gb")
+
+
+def test_a_ring_across_nodes_runs_over_every_nic_its_ranks_hold_on_a_node():
+    two_nodes = Hardware(gpu=A100, num_gpus_per_node=8, num_nodes=2, inter_node_gbps=25.0)
+    # dp=16: 8 ranks of the ring per node -> 8 NICs x 25 GB/s = 200 GB/s, below NVLink's 230
+    link = tp_model._dp_link(TrainingPlan(dp=16), two_nodes)
+    assert (link.gbps, link.kind) == (200.0, "net")
+    # tp=4 x dp=4: each DP ring has 8 // 4 = 2 ranks per node, so 2 NICs
+    assert tp_model._dp_link(TrainingPlan(dp=4, tp=4), two_nodes).gbps == 50.0
+    # a fast network is capped by the intra-node hops of the same ring
+    fat = Hardware(gpu=A100, num_gpus_per_node=8, num_nodes=2, inter_node_gbps=50.0)
+    assert tp_model._dp_link(TrainingPlan(dp=16), fat).gbps == 230.0
+    # one node: NVLink, as before
+    assert tp_model._dp_link(TrainingPlan(dp=8), Hardware(gpu=A100, num_gpus_per_node=8)).kind == "nvlink"
+
+
+def test_deepspeed_stage0_allreduce_across_two_nodes_by_hand():
+    hw = Hardware(gpu=A100, num_gpus_per_node=8, num_nodes=2, inter_node_gbps=25.0)
+    plan = TrainingPlan(zero_stage=0, engine="deepspeed", dp=16, micro_batch_size=4, seq_len=1024)
+    est = estimate_step_time(LLAMA1B, plan, hw)
+    grads = LLAMA1B.num_params * 2                       # 16-bit grads under DeepSpeed bf16
+    buckets = LLAMA1B.num_params / plan.reduce_bucket_size
+    # ring all-reduce: 2 (n-1)/n of the buffer at 8 x 25 GB/s, + NCCL's latency per bucket
+    # (8.4 us base + 2 (n-1) hops of 6.6 us over the network)
+    expected = grads * 2 * 15 / 16 / 200e9 + buckets * (8.4e-6 + 30 * 6.6e-6)
+    assert est.components_s["dp_comm"] == pytest.approx(expected)
+
+
+def test_hopper_tensor_cores_run_at_the_power_limited_clock():
+    # 8192^3 bf16 on H100 SXM: MAMF share of 989.5 TFLOP/s (80.1 %) at 1575 of 1980 MHz
+    t = kernels.gemm_time_s(H100, "bf16", 8192, 8192, 8192)
+    assert t == pytest.approx(2 * 8192**3 / (989.5e12 * 0.801 * 1575 / 1980))
+    counted = 4.0 * 8192 * 4096 * 32 * 128
+    assert kernels.flash_attention_time_s(H100, "bf16", counted) == pytest.approx(
+        counted / (989.5e12 * 0.35 * 1575 / 1980))
+
+
+def test_torch_1x_steps_adamw_one_parameter_at_a_time():
+    one = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", micro_batch_size=1, seq_len=512)
+    new = estimate_step_time(LLAMA1B, plan, one, stack=Stack(torch="2.3")).components_s["optimizer_step"]
+    old = estimate_step_time(LLAMA1B, plan, one, stack=Stack(torch="1.10")).components_s["optimizer_step"]
+    assert new == estimate_step_time(LLAMA1B, plan, one).components_s["optimizer_step"]
+    assert new == pytest.approx(kernels.memory_time_s(A100, LLAMA1B.num_params * 32))
+    # 9 fp32 passes of 92 B per parameter, or 9 launches per tensor (16 blocks x 9 + 3), whichever is longer
+    tensors = 16 * 9 + 3
+    assert old == pytest.approx(max(kernels.memory_time_s(A100, LLAMA1B.num_params * 92),
+                                    tensors * 9 * tp_model.OP_DISPATCH_S))
+    assert old > new
+    # DeepSpeed steps its flat partitions with its own fused Adam whatever torch is installed
+    ds = plan.with_(engine="deepspeed", zero_stage=1)
+    assert (estimate_step_time(LLAMA1B, ds, one, stack=Stack(torch="1.10")).components_s["optimizer_step"]
+            == estimate_step_time(LLAMA1B, ds, one).components_s["optimizer_step"])
