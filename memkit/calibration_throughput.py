@@ -134,6 +134,11 @@ def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
         cfg = dict(m["hf_config"])
         if "n_positions" in cfg:  # MPT's learned positions grow with the sequence (SOURCES_THROUGHPUT.md)
             cfg["n_positions"] = max(cfg["n_positions"], record["seq_len"])
+            # MPT trains without dropout (llm-foundry llmfoundry/models/mpt/configuration_mpt.py:
+            # resid_pdrop = emb_pdrop = attn_pdrop = 0.0, which the pretraining yamls keep); the
+            # GPT-2 config it is written as would default each to 0.1.
+            for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+                cfg.setdefault(key, 0.0)
         spec = spec_from_config(cfg, name=name)
     elif name in _CONFIG_DIRS:
         spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))

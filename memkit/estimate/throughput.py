@@ -381,11 +381,11 @@ def _intra_link(gpu: GPU) -> _Link:
 
 def _dp_link(plan: TrainingPlan, hardware: Hardware) -> _Link:
     """DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron);
-    otherwise the ring crosses the network. NCCL builds one ring per channel and routes each
-    channel's node crossing through a different NIC (NVIDIA/nccl src/graph/search.cc, rings per
-    NIC), so a ring collective's bus bandwidth is the NICs of the group's ranks on one node
-    together, capped by NVLink: 2 A100 nodes with 8 x 100 Gb/s NICs measure 600 Gb/s busbw,
-    "roughly matching our expectation" (NVIDIA/nccl issue #495, kwen2501), not one NIC's 100."""
+    otherwise the ring crosses the network. NCCL spreads a collective's channels over the NICs of
+    the node (all-reduce / all-gather / reduce-scatter aggregate them, all-to-all cannot: sjeaugey,
+    NVIDIA/nccl-tests issue #267), so the bus bandwidth is the NICs of the group's ranks on one
+    node together, capped by NVLink: 2 A100 nodes with 8 x 100 Gb/s NICs measure 600 Gb/s busbw,
+    "roughly matching our expectation" (kwen2501, NVIDIA/nccl issue #495), not one NIC's 100."""
     if hardware.num_nodes == 1 or plan.tp * plan.dp <= hardware.num_gpus_per_node:
         return _intra_link(hardware.gpu)
     ranks_per_node = max(1, min(plan.dp, hardware.num_gpus_per_node // plan.tp))
