@@ -37,6 +37,10 @@ asynchronously, so a micro-step is host-bound only when this exceeds the GPU tim
 OPS_PER_LINEAR = 3
 """Forward + input-grad + weight-grad kernels of one nn.Linear (addmm / mm / mm)."""
 
+NORM_FED_ROLES = ("q", "k", "v", "qkv", "gate", "up")
+"""Linears whose input is a norm's output, which is fp32 under torch autocast (layer_norm is on its
+fp32 list), so autocast casts that input to 16 bits at every call."""
+
 ELEMENTWISE_OPS_PER_BLOCK = 100
 """Non-matmul ops of one transformer block, forward and backward, counted from
 transformers/models/llama/modeling_llama.py LlamaDecoderLayer: ~40 forward (RMSNorm is 6 ops, twice;
@@ -218,6 +222,12 @@ def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, to
     if not plan.is_lora:
         bwd += kernels.gemm_time_s(gpu, prec, k_in, n_out, m, batch=batch)      # weight gradient
     ops = OPS_PER_LINEAR
+    if _amp_fp32_weights(plan):
+        # torch autocast's cached_cast (aten/src/ATen/autocast_mode.cpp): an fp32 weight / bias is
+        # cast once per autocast region (a trainable one also gets a ToCopyBackward node in
+        # backward), an fp32 input at every call; each cast is one more dispatched op.
+        per_param = 1 + (not plan.is_lora)
+        ops += per_param * (1 + lin.bias) + (2 if lin.role in NORM_FED_ROLES else 0)
     if plan.is_lora and lin.name in plan.lora_targets:
         r, e = plan.lora_rank, _elt(plan)
         fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)

@@ -69,3 +69,17 @@ def test_torch_1x_steps_adamw_one_parameter_at_a_time():
     ds = plan.with_(engine="deepspeed", zero_stage=1)
     assert (estimate_step_time(LLAMA1B, ds, one, stack=Stack(torch="1.10")).components_s["optimizer_step"]
             == estimate_step_time(LLAMA1B, ds, one).components_s["optimizer_step"])
+
+
+def test_torch_amp_dispatches_a_cast_per_fp32_weight_and_norm_fed_input():
+    bert = load_model_spec("bert-large-uncased")
+    v100 = find_gpu("v100-16gb")
+    by_role = {lin.role: lin for lin in bert.layer_linears}
+    amp = TrainingPlan(precision="fp16", engine="torch", micro_batch_size=1, seq_len=512)
+    ops = {r: tp_model._linear_pass(v100, amp, bert, by_role[r], 512).num_ops for r in ("q", "o")}
+    # addmm/mm/mm (3) + weight and bias cast forward + their ToCopyBackward (4) + the fp32
+    # LayerNorm output cast for q (2); o's input is already fp16
+    assert ops == {"q": 3 + 4 + 2, "o": 3 + 4}
+    # DeepSpeed's fp16 engine holds 16-bit weights: no casts
+    ds = amp.with_(engine="deepspeed", zero_stage=2)
+    assert tp_model._linear_pass(v100, ds, bert, by_role["q"], 512).num_ops == 3
