@@ -96,7 +96,7 @@ torch/optim/_functional.py adamw issues param.mul_ (weight decay), exp_avg.mul_(
 exp_avg_sq.mul_().addcmul_(), sqrt(), / bias correction, .add_(eps), param.addcdiv_() -- 9 kernels,
 each a full fp32 pass (8 + 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16 = 92 B per parameter, against 32 for
 the fused / foreach step); sgd with momentum buf.mul_().add_(), param.add_() -- 3 kernels, 32 B.
-transformers' own AdamW (adamw_hf, HF Trainer's default before v4.38) has the same loop shape
+transformers' own AdamW (the Trainer's `adamw_hf`) has the same loop shape
 (transformers/optimization.py AdamW.step, 8 kernels)."""
 
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
