@@ -243,14 +243,13 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     return ThroughputOutcome(case=case, predicted_tps_per_gpu=predicted, error_pct=err, estimate=ests[0])
 
 
-def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
-    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
-    measured figures are not counted."""
+def ranked_pairs(outcomes: list[ThroughputOutcome]):
+    """Yield (a, b, kind) for every pair within a group with different measured figures; kind is
+    "concordant", "discordant" or "tied" (the prediction cannot tell them apart)."""
     groups: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
         if o.predicted_tps_per_gpu is not None:
             groups.setdefault(o.case.group, []).append(o)
-    conc = disc = ties = 0
     for rows in groups.values():
         for i, a in enumerate(rows):
             for b in rows[i + 1:]:
@@ -259,12 +258,16 @@ def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
                 if dm == 0:
                     continue
                 if abs(dp) <= 1e-9 * max(a.predicted_tps_per_gpu, b.predicted_tps_per_gpu):
-                    ties += 1
-                elif dm * dp > 0:
-                    conc += 1
+                    yield a, b, "tied"
                 else:
-                    disc += 1
-    return conc, disc, ties
+                    yield a, b, "concordant" if dm * dp > 0 else "discordant"
+
+
+def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
+    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
+    measured figures are not counted."""
+    kinds = [kind for _, _, kind in ranked_pairs(outcomes)]
+    return kinds.count("concordant"), kinds.count("discordant"), kinds.count("tied")
 
 
 def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:

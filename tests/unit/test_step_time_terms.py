@@ -83,3 +83,31 @@ def test_torch_amp_dispatches_a_cast_per_fp32_weight_and_norm_fed_input():
     # DeepSpeed's fp16 engine holds 16-bit weights: no casts
     ds = amp.with_(engine="deepspeed", zero_stage=2)
     assert tp_model._linear_pass(v100, ds, bert, by_role["q"], 512).num_ops == 3
+
+
+def test_an_overlapped_collective_costs_the_compute_the_measured_share_of_its_time():
+    # NVIDIA/nccl #1428 (A100-SXM4-80GB, AllGather overlapping a GEMM): 1.18 ms alone, 2.08 ms
+    # overlapped, so the compute loses 1 - 1.18/2.08 = 0.4327 of the time the collective runs.
+    assert tp_model.OVERLAP_COMPUTE_COST == pytest.approx(0.4327, abs=1e-4)
+    # 0.1 s of all-gather under a 1 s compute window: nothing sticks out, 0.0433 s lost
+    assert tp_model._overlapped(0.1, 1.0) == pytest.approx(0.04327, abs=1e-5)
+    # 2 s under a 1 s window: 1 s sticks out, plus 0.4327 s lost during the overlapped second
+    assert tp_model._overlapped(2.0, 1.0) == pytest.approx(1.4327, abs=1e-4)
+    assert tp_model._overlapped(0.5, 0.0) == 0.5
+
+
+def test_ranked_pairs_orders_each_pair_within_a_group_by_hand():
+    from memkit.calibration_throughput import ThroughputCase, ThroughputOutcome, rank_agreement, ranked_pairs
+
+    def row(name, group, measured, predicted):
+        case = ThroughputCase(case_id=name, source_id="s", group=group, measured_tps_per_gpu=measured,
+                              absolute=True, summary="")
+        return ThroughputOutcome(case=case, predicted_tps_per_gpu=predicted)
+    rows = [row("a", "g", 100, 100), row("b", "g", 110, 130), row("c", "g", 120, 120),
+            row("d", "g", 120, 100), row("x", "other", 1, 1e6)]
+    kinds = {(a.case.case_id, b.case.case_id): k for a, b, k in ranked_pairs(rows)}
+    # a<b, a<c ordered as measured; b>c predicted against c>b measured; a,d tied in prediction;
+    # b,d discordant; c,d measured equal -> not a pair; x is alone in its group
+    assert kinds == {("a", "b"): "concordant", ("a", "c"): "concordant", ("a", "d"): "tied",
+                     ("b", "c"): "discordant", ("b", "d"): "discordant"}
+    assert rank_agreement(rows) == (2, 2, 1)
