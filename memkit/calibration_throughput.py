@@ -53,6 +53,9 @@ class ThroughputCase:
     hardware: Hardware | None = None
     stack: Stack | None = None
     """The source's software versions, as far as it states them (memkit/calibration.py _SOURCE_STACKS)."""
+    reduce_itemsize: int | None = None
+    """Bytes per gradient element as the source's framework reduces it, where that is not the
+    gradient's dtype (_reduce_itemsize)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
@@ -84,7 +87,23 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
     plans, hardware = _plans(record, model, approx)
     stack = _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
-                          stack=stack, approx=tuple(approx), **base)
+                          stack=stack, reduce_itemsize=_reduce_itemsize(record), approx=tuple(approx), **base)
+
+
+def _reduce_itemsize(record: dict) -> int | None:
+    """FSDP runs that reduce gradients in fp32 under 16-bit params: Composer's mixed_precision
+    'DEFAULT' sets reduce_dtype=torch.float32 ('PURE' reduces in the 16-bit dtype;
+    composer/distributed/mosaic_parallelism.py get_mixed_precision), and torchtitan's FSDP2 policy is
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (torchtitan
+    parallelisms/parallelize_llama.py at eb6aa6389, later --training.mixed_precision_reduce, default
+    float32). None: the gradient's own dtype."""
+    if record["engine"] != "fsdp" or record["precision"] not in ("bf16", "fp16"):
+        return None
+    raw = record.get("precision_raw") or ""
+    if record["source_id"] == "torchtitan_benchmarks" or (
+            record["source_id"] == "llm_foundry_benchmarks" and "mixed_precision DEFAULT" in raw):
+        return 4
+    return None
 
 
 def _skip_reason(record: dict) -> str:
@@ -233,7 +252,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     if case.skip_reason:
         return ThroughputOutcome(case=case)
     try:
-        ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack) for p in case.plans]
+        ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
+                                   reduce_itemsize=case.reduce_itemsize) for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]

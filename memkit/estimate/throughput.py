@@ -412,8 +412,11 @@ class _Comm:
     """Exposed once per optimizer step (accumulation boundary, after the step)."""
 
 
-def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float) -> _Comm:
-    """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under."""
+def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float, *,
+             reduce_itemsize: int | None = None) -> _Comm:
+    """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under;
+    reduce_itemsize: bytes per gradient element as reduced, where the framework reduces in another
+    dtype than the gradient's (see estimate_step_time)."""
     dp = plan.dp
     if dp <= 1:
         return _Comm()
@@ -423,13 +426,13 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     n_local = model.num_params / shard
     trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
     e = _grad_bytes(plan)
-    grads, params = trainable * e, n_local * e
+    grads, params = trainable * (reduce_itemsize or e), n_local * e
     # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
     # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
     ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
     rs3 = _ring_time_s(grads, dp, link, allreduce=False, count=layers)
-    rs = _ring_time_s(grads, dp, link, allreduce=False, count=grads / e / plan.reduce_bucket_size)
-    ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / (e * plan.reduce_bucket_size))
+    rs = _ring_time_s(grads, dp, link, allreduce=False, count=trainable / plan.reduce_bucket_size)
+    ar = _ring_time_s(grads, dp, link, allreduce=True, count=trainable / plan.reduce_bucket_size)
     ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
     one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
     ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
@@ -523,8 +526,13 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 # ---- the step -----------------------------------------------------------------------------------
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                       stack: Stack | None = None) -> StepTimeEstimate:
-    """`stack`: the versions the run uses (spec/stack.py); None = current behaviour."""
+                       stack: Stack | None = None, reduce_itemsize: int | None = None) -> StepTimeEstimate:
+    """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
+    `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
+    framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
+    under 16-bit params: Composer's 'DEFAULT', torchtitan's default); None = the gradient's dtype,
+    which is what memkit's own runs do (Accelerate sets reduce_dtype to the training dtype,
+    accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)."""
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
@@ -534,7 +542,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
     t_host = ops * OP_DISPATCH_S
 
-    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute)
+    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize)
     off = _offload(plan, model, hardware, t_bwd + t_recompute)
 
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h

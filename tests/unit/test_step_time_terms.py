@@ -111,3 +111,19 @@ def test_ranked_pairs_orders_each_pair_within_a_group_by_hand():
     assert kinds == {("a", "b"): "concordant", ("a", "c"): "concordant", ("a", "d"): "tied",
                      ("b", "c"): "discordant", ("b", "d"): "discordant"}
     assert rank_agreement(rows) == (2, 2, 1)
+
+
+def test_fsdp_reducing_in_fp32_moves_twice_the_gradient_bytes_by_hand():
+    # FSDP (torch engine, ZeRO-3) on one A100 node, dp=8, nothing to hide under (zero windows):
+    # exposed = forward gather + (backward gather + reduce-scatter) + the two unprefetched gathers
+    hw = Hardware(gpu=A100, num_gpus_per_node=8)
+    plan = TrainingPlan(dp=8, zero_stage=3, engine="torch", precision="bf16")
+    n, layers, ring = LLAMA1B.num_params, LLAMA1B.total_layers, 230e9
+    latency = layers * (tp_model.NCCL_BASE_LATENCY_S + 7 * tp_model.NCCL_HOP_LATENCY_S["nvlink"])
+    ag = 7 / 8 * 2 * n / ring + latency                      # bf16 params gathered
+    rs_bf16 = 7 / 8 * 2 * n / ring + latency
+    rs_fp32 = 7 / 8 * 4 * n / ring + latency                 # reduce_dtype=float32
+    by_hand = lambda rs: ag + (ag + rs) + 2 * ag / layers    # noqa: E731
+    assert tp_model._dp_comm(plan, LLAMA1B, hw, 0.0, 0.0).micro_s == pytest.approx(by_hand(rs_bf16))
+    assert tp_model._dp_comm(plan, LLAMA1B, hw, 0.0, 0.0, reduce_itemsize=4).micro_s == pytest.approx(
+        by_hand(rs_fp32))
