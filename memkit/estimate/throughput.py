@@ -291,8 +291,8 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
-def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int
-                ) -> tuple[_Pass, _Pass]:
+def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
+                *, early_stop: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
@@ -300,7 +300,22 @@ def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[L
         total = total + _linear_pass(gpu, plan, model, lin, tokens)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
     total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens)
-    return total, _Pass(total.fwd_s, 0.0, total.num_ops // 3)
+    recompute_s = total.fwd_s
+    last = linears[-1] if linears else None
+    if early_stop and last is not None and _output_unsaved(plan, model, last):
+        recompute_s -= _linear_pass(gpu, plan, model, last, tokens).fwd_s
+    return total, _Pass(recompute_s, 0.0, total.num_ops // 3)
+
+
+def _output_unsaved(plan: TrainingPlan, model: ModelSpec, last: Linear) -> bool:
+    """Whether the block's last linear produces nothing backward needs, so a recompute that stops
+    at the last saved tensor (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH) never runs it: a dense
+    down projection whose output only meets the residual add (which saves nothing) -- not under a
+    post-norm or sandwich norm (the norm saves its input), hidden dropout (its mask is drawn on the
+    output), MoE (the routing weights multiply the expert outputs), or a LoRA adapter on it (peft
+    runs the base matmul before the adapter, whose input is saved)."""
+    return (last.role == "down" and model.block.norm_placement == "pre" and model.hidden_dropout == 0
+            and not (plan.is_lora and last.name in plan.lora_targets))
 
 
 def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
@@ -316,13 +331,15 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
     return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
 
 
-def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> tuple[_Pass, float]:
-    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch."""
-    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens)
+def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
+                   early_stop: bool = False) -> tuple[_Pass, float]:
+    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
+    checkpoint recompute stops after the block's last saved tensor (_output_unsaved)."""
+    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
-        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens)
+        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -536,7 +553,10 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
-    passes, t_recompute = _micro_compute(gpu, plan, model, tokens)
+    # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
+    # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
+    passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
+                                         early_stop=behaviour(stack).checkpoint_early_stop)
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)

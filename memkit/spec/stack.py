@@ -33,6 +33,10 @@ PACKAGES = ("torch", "transformers", "deepspeed", "peft")
 FOR_CAUSAL_LM_LOSS = (4, 46)
 LAZY_LOADING_TORCH = (1, 13)
 FOREACH_DEFAULT_TORCH = (2, 0)
+CHECKPOINT_EARLY_STOP_TORCH = (2, 1)
+"""Non-reentrant torch.utils.checkpoint stops recomputing once the last saved tensor is back
+(pytorch/pytorch PR #96866, 2023-03, made early stop the default; torch/utils/checkpoint.py
+set_checkpoint_early_stop); earlier versions re-run the whole checkpointed function."""
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
 
 
@@ -101,6 +105,8 @@ class StackBehaviour:
     """CUDA kernels are loaded at context creation (torch < 1.13)."""
     foreach_optimizer: bool = True
     """torch.optim defaults to the foreach implementation (torch >= 2.0)."""
+    checkpoint_early_stop: bool = True
+    """Non-reentrant checkpoint stops its recompute after the last saved tensor (torch >= 2.1)."""
     notes: tuple[str, ...] = ()
 
 
@@ -124,5 +130,6 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     foreach = th is None or th >= FOREACH_DEFAULT_TORCH
     if not foreach:
         notes.append(f"torch {stack.torch} < 2.0: torch.optim loops over parameters (no foreach temporaries)")
+    early_stop = th is None or th >= CHECKPOINT_EARLY_STOP_TORCH
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
-                          notes=tuple(notes))
+                          checkpoint_early_stop=early_stop, notes=tuple(notes))
