@@ -1,7 +1,7 @@
 """Score memkit's step-time model against published training throughput.
 
     python benchmarks/throughput_accuracy.py [--data ../shared/calibration/published_throughput.jsonl]
-                                             [--rows] [--write-uncertainty]
+                                             [--rows] [--discordant] [--write-uncertainty]
 
 Prints, per source and overall: records scored in absolute terms, median |error|, signed mean,
 share within +-20 %, p75 |error|, and rank agreement within each same-model/same-GPU group
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memkit.calibration_throughput import map_record, score, summarize  # noqa: E402
+from memkit.calibration_throughput import map_record, ranked_pairs, score, summarize  # noqa: E402
 from memkit.presets_dir import presets_dir  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "calibration" / "published_throughput.jsonl"
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", action="store_true", help="print every record's prediction")
     ap.add_argument("--write-uncertainty", action="store_true")
     ap.add_argument("--by-gpu", action="store_true", help="also break the figures down by GPU")
+    ap.add_argument("--discordant", action="store_true",
+                    help="print every pair the prediction orders against the measurement (or ties)")
     args = ap.parse_args(argv)
     records = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     outcomes = [score(map_record(r, configs_dir=ROOT / "benchmarks" / "calibration_configs")) for r in records]
@@ -49,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             comp = " ".join(f"{k}={v:.3g}" for k, v in o.estimate.components_s.items() if v > 0)
             print(f"{c.case_id:42} meas {c.measured_tps_per_gpu:10.1f} pred {o.predicted_tps_per_gpu:10.1f} {err}"
                   f"  mfu {o.estimate.mfu:.3f}  {c.summary}  [{comp}]")
+    if args.discordant:
+        for a, b, kind in ranked_pairs(outcomes):
+            if kind != "concordant":
+                print(f"{kind:10} {a.case.case_id:38} meas {a.case.measured_tps_per_gpu:9.1f} pred "
+                      f"{a.predicted_tps_per_gpu:9.1f} | {b.case.case_id:38} meas {b.case.measured_tps_per_gpu:9.1f}"
+                      f" pred {b.predicted_tps_per_gpu:9.1f}")
     table = summarize(outcomes)
     _print_table(table)
     if args.by_gpu:

@@ -20,13 +20,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from memkit.calibration import _CONFIG_DIRS, _lora_targets, as_sequence_classifier
+from memkit.calibration import _CONFIG_DIRS, _lora_targets, _stack, as_sequence_classifier
 from memkit.errors import MemkitError
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.spec.model import ModelSpec
+from memkit.spec.stack import Stack
 
 _PRECISIONS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bf16-pure": "bf16-pure"}
 # record engine -> (memkit engine, ZeRO stage when the record gives none)
@@ -50,6 +51,11 @@ class ThroughputCase:
     """The plan, or the two ends of a bracket whose step times are averaged (selective AC: every
     second block checkpointed, priced as the mean of no AC and full AC)."""
     hardware: Hardware | None = None
+    stack: Stack | None = None
+    """The source's software versions, as far as it states them (memkit/calibration.py _SOURCE_STACKS)."""
+    reduce_itemsize: int | None = None
+    """Bytes per gradient element as the source's framework reduces it, where that is not the
+    gradient's dtype (_reduce_itemsize)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
@@ -79,8 +85,25 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
+    stack = _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
-                          approx=tuple(approx), **base)
+                          stack=stack, reduce_itemsize=_reduce_itemsize(record), approx=tuple(approx), **base)
+
+
+def _reduce_itemsize(record: dict) -> int | None:
+    """FSDP runs that reduce gradients in fp32 under 16-bit params: Composer's mixed_precision
+    'DEFAULT' sets reduce_dtype=torch.float32 ('PURE' reduces in the 16-bit dtype;
+    composer/distributed/mosaic_parallelism.py get_mixed_precision), and torchtitan's FSDP2 policy is
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (torchtitan
+    parallelisms/parallelize_llama.py at eb6aa6389, later --training.mixed_precision_reduce, default
+    float32). None: the gradient's own dtype."""
+    if record["engine"] != "fsdp" or record["precision"] not in ("bf16", "fp16"):
+        return None
+    raw = record.get("precision_raw") or ""
+    if record["source_id"] == "torchtitan_benchmarks" or (
+            record["source_id"] == "llm_foundry_benchmarks" and "mixed_precision DEFAULT" in raw):
+        return 4
+    return None
 
 
 def _skip_reason(record: dict) -> str:
@@ -130,6 +153,11 @@ def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
         cfg = dict(m["hf_config"])
         if "n_positions" in cfg:  # MPT's learned positions grow with the sequence (SOURCES_THROUGHPUT.md)
             cfg["n_positions"] = max(cfg["n_positions"], record["seq_len"])
+            # MPT trains without dropout (llm-foundry llmfoundry/models/mpt/configuration_mpt.py:
+            # resid_pdrop = emb_pdrop = attn_pdrop = 0.0, which the pretraining yamls keep); the
+            # GPT-2 config it is written as would default each to 0.1.
+            for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+                cfg.setdefault(key, 0.0)
         spec = spec_from_config(cfg, name=name)
     elif name in _CONFIG_DIRS:
         spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))
@@ -224,7 +252,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     if case.skip_reason:
         return ThroughputOutcome(case=case)
     try:
-        ests = [estimate_step_time(case.model, p, case.hardware) for p in case.plans]
+        ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
+                                   reduce_itemsize=case.reduce_itemsize) for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]
@@ -234,14 +263,13 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
     return ThroughputOutcome(case=case, predicted_tps_per_gpu=predicted, error_pct=err, estimate=ests[0])
 
 
-def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
-    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
-    measured figures are not counted."""
+def ranked_pairs(outcomes: list[ThroughputOutcome]):
+    """Yield (a, b, kind) for every pair within a group with different measured figures; kind is
+    "concordant", "discordant" or "tied" (the prediction cannot tell them apart)."""
     groups: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
         if o.predicted_tps_per_gpu is not None:
             groups.setdefault(o.case.group, []).append(o)
-    conc = disc = ties = 0
     for rows in groups.values():
         for i, a in enumerate(rows):
             for b in rows[i + 1:]:
@@ -250,12 +278,16 @@ def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
                 if dm == 0:
                     continue
                 if abs(dp) <= 1e-9 * max(a.predicted_tps_per_gpu, b.predicted_tps_per_gpu):
-                    ties += 1
-                elif dm * dp > 0:
-                    conc += 1
+                    yield a, b, "tied"
                 else:
-                    disc += 1
-    return conc, disc, ties
+                    yield a, b, "concordant" if dm * dp > 0 else "discordant"
+
+
+def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
+    """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
+    measured figures are not counted."""
+    kinds = [kind for _, _, kind in ranked_pairs(outcomes)]
+    return kinds.count("concordant"), kinds.count("discordant"), kinds.count("tied")
 
 
 def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:

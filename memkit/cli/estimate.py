@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     # a CPU estimate (`--device cpu`) is calibrated by CPU verify runs
     device_key = "cpu" if args.device == "cpu" else hardware.gpu.name
     est = _calibrated(est, plan, device_key, stack)
-    speed = _step_time(model, plan, hardware)
+    speed = _step_time(model, plan, hardware, stack)
     from memkit.estimate.activations import activation_source
 
     approximations = model.approximations + ((activation_source(model, plan, device=args.device),)
@@ -115,9 +115,9 @@ def _calibrated(est, plan, device: str, stack):
                              device="cuda" if device != "cpu" else "cpu")
 
 
-def _step_time(model, plan, hardware):
+def _step_time(model, plan, hardware, stack):
     from memkit.estimate.throughput import estimate_step_time
-    return estimate_step_time(model, plan, hardware)
+    return estimate_step_time(model, plan, hardware, stack=stack)
 
 
 def render_step_time(speed) -> str:

@@ -35,17 +35,17 @@ backward is at the low end); Hopper: FlashAttention-2 "achieves only 35 % utiliz
 PyTorch SDPA picks its memory-efficient kernel there, whose utilisation is not published, so
 attention there is priced as eager matmuls plus score-matrix traffic (an upper bound on time)."""
 
-SUSTAINED_CLOCK_FRACTION = {"ampere": 1305 / 1410, "hopper": 702.9 / 828.0}
+SUSTAINED_CLOCK_FRACTION = {"ampere": 1305 / 1410, "hopper": 1575 / 1980}
 """Training is one long power-saturated run, so tensor-core kernels run at the clock the GPU
-sustains at its power limit, below the boost clock short benchmarks (MAMF, kernel papers) catch.
-Hopper: mamf-finder's sustained vs burst figures on an H200 (same SM and power limit as H100 SXM),
-MSMF 702.9 vs MAMF 828.0 TFLOP/s with the GPU alone (ml-engineering
-compute/accelerator/benchmarks/README.md, "MAMF & MSMF", "What we measured: alone vs all-8
-concurrent"; that revision is newer than the stored snapshot of stas00/ml-engineering, so the
-figure could not be re-checked here: an assumption until a GPU run confirms it). Ampere: the
-clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of 1410 MHz (G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Other generations: no published
-sustained figure, 1.0. HBM bandwidth does not follow the SM clock, so memory-bound kernels keep
-HBM_EFFICIENCY."""
+sustains at its power limit, below the clock short benchmarks (MAMF, kernel papers) run at.
+Ampere: the clock NVIDIA sustains on A100 at its power limit in HPL, 1305 of its 1410 MHz boost
+(G. Lockwood, "Peak FLOPS", glennklockwood.com, Rpeak). Hopper: an H-series SXM GPU at its 700 W
+limit drops from its 1980 MHz application clock to 1575 MHz once GEMMs overlap communication, as
+training does (deepseek-ai/DeepGEMM issue #120, 2025); H200 runners at 700 W cannot hold even a
+locked 1830 MHz under full load (tile-ai/TileOPs issue #1587, 2026). 1980 MHz is the clock the
+driver boosts a short benchmark to (TileOPs #1587: "Application graphics clock remains at the
+default 1980 MHz"), so MAMF is measured there. Other generations: no published sustained figure,
+1.0. HBM bandwidth does not follow the SM clock, so memory-bound kernels keep HBM_EFFICIENCY."""
 
 HBM_EFFICIENCY = 0.85
 """Achievable share of datasheet DRAM bandwidth for streaming kernels: BabelStream on A100/V100

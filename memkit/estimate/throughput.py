@@ -26,6 +26,7 @@ from memkit.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import Linear, ModelSpec
+from memkit.spec.stack import Stack, behaviour
 
 # ---- constants (each cites where it comes from) -----------------------------------------------
 
@@ -36,6 +37,10 @@ asynchronously, so a micro-step is host-bound only when this exceeds the GPU tim
 
 OPS_PER_LINEAR = 3
 """Forward + input-grad + weight-grad kernels of one nn.Linear (addmm / mm / mm)."""
+
+NORM_FED_ROLES = ("q", "k", "v", "qkv", "gate", "up")
+"""Linears whose input is a norm's output, which is fp32 under torch autocast (layer_norm is on its
+fp32 list), so autocast casts that input to 16 bits at every call."""
 
 ELEMENTWISE_OPS_PER_BLOCK = 100
 """Non-matmul ops of one transformer block, forward and backward, counted from
@@ -84,6 +89,16 @@ one fused kernel per tensor plus state bookkeeping (bitsandbytes/optim/optimizer
 Optimizer8bit.step -> update_step); transformers Adafactor runs ~15 tensor ops per parameter
 (transformers/optimization.py Adafactor.step: grad^2, row/col means, two lerps, rsqrt factors,
 their product, times grad, RMS, clamp, divide, lr scale, RMS of the param, update)."""
+
+SINGLE_TENSOR_OPTIMIZER = {"adamw": (9, 92), "sgd": (3, 32)}
+"""(kernels per parameter tensor, HBM bytes per parameter) of torch.optim's per-parameter loop,
+which torch < 2.0 runs by default (spec/stack.py FOREACH_DEFAULT_TORCH): torch 1.x
+torch/optim/_functional.py adamw issues param.mul_ (weight decay), exp_avg.mul_().add_(),
+exp_avg_sq.mul_().addcmul_(), sqrt(), / bias correction, .add_(eps), param.addcdiv_() -- 9 kernels,
+each a full fp32 pass (8 + 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16 = 92 B per parameter, against 32 for
+the fused / foreach step); sgd with momentum buf.mul_().add_(), param.add_() -- 3 kernels, 32 B.
+transformers' own AdamW (the Trainer's `adamw_hf`) has the same loop shape
+(transformers/optimization.py AdamW.step, 8 kernels)."""
 
 ZERO3_OVERHEAD_S_PER_LAYER = 3.0e-3
 """DeepSpeed ZeRO-3 only: its pre/post forward and backward hooks on each of a block's ~10
@@ -208,6 +223,12 @@ def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, to
     if not plan.is_lora:
         bwd += kernels.gemm_time_s(gpu, prec, k_in, n_out, m, batch=batch)      # weight gradient
     ops = OPS_PER_LINEAR
+    if _amp_fp32_weights(plan):
+        # torch autocast's cached_cast (aten/src/ATen/autocast_mode.cpp): an fp32 weight / bias is
+        # cast once per autocast region (a trainable one also gets a ToCopyBackward node in
+        # backward), an fp32 input at every call; each cast is one more dispatched op.
+        per_param = 1 + (not plan.is_lora)
+        ops += per_param * (1 + lin.bias) + (2 if lin.role in NORM_FED_ROLES else 0)
     if plan.is_lora and lin.name in plan.lora_targets:
         r, e = plan.lora_rank, _elt(plan)
         fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)
@@ -271,8 +292,8 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
-def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int
-                ) -> tuple[_Pass, _Pass]:
+def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
+                *, early_stop: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
@@ -280,7 +301,22 @@ def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[L
         total = total + _linear_pass(gpu, plan, model, lin, tokens)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
     total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens)
-    return total, _Pass(total.fwd_s, 0.0, total.num_ops // 3)
+    recompute_s = total.fwd_s
+    last = linears[-1] if linears else None
+    if early_stop and last is not None and _output_unsaved(plan, model, last):
+        recompute_s -= _linear_pass(gpu, plan, model, last, tokens).fwd_s
+    return total, _Pass(recompute_s, 0.0, total.num_ops // 3)
+
+
+def _output_unsaved(plan: TrainingPlan, model: ModelSpec, last: Linear) -> bool:
+    """Whether the block's last linear produces nothing backward needs, so a recompute that stops
+    at the last saved tensor (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH) never runs it: a dense
+    down projection whose output only meets the residual add (which saves nothing) -- not under a
+    post-norm or sandwich norm (the norm saves its input), hidden dropout (its mask is drawn on the
+    output), MoE (the routing weights multiply the expert outputs), or a LoRA adapter on it (peft
+    runs the base matmul before the adapter, whose input is saved)."""
+    return (last.role == "down" and model.block.norm_placement == "pre" and model.hidden_dropout == 0
+            and not (plan.is_lora and last.name in plan.lora_targets))
 
 
 def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
@@ -296,13 +332,15 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
     return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
 
 
-def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> tuple[_Pass, float]:
-    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch."""
-    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens)
+def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
+                   early_stop: bool = False) -> tuple[_Pass, float]:
+    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
+    checkpoint recompute stops after the block's last saved tensor (_output_unsaved)."""
+    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
-        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens)
+        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -342,12 +380,14 @@ NCCL_HOP_LATENCY_S = {"nvlink": 5.7e-6, "pci": 5.7e-6, "net": 6.6e-6}
 latency plus one per ring step (n-1 steps for all-gather / reduce-scatter, 2(n-1) for all-reduce);
 NVIDIA/nccl src/graph/tuning.cc, baseLat and hwLat tables (Ring / Simple)."""
 
-OVERLAP_COMPUTE_COST = 0.15
-"""Share of an overlapped collective's duration the concurrent compute still loses: NCCL runs one
-thread block per channel on its own SM for the whole collective (NVIDIA/nccl src/device/; ~16
-channels on 8-GPU NVLink + InfiniBand nodes, src/graph/search.cc) of an A100's 108 SMs, ~15 %,
-and competes for HBM (Rashidi et al. 2021, "Enabling Compute-Communication Overlap in Distributed
-Deep Learning Training Platforms", ISCA, Sec. 3)."""
+OVERLAP_COMPUTE_COST = 1 - 1.18 / 2.08
+"""Share of an overlapped collective's duration the concurrent compute still loses (0.43): kernels
+that run while an NCCL collective runs run slower, measured in a GPT training profile on
+A100-SXM4-80GB overlapping an AllGather: a GEMM 1.18 -> 2.08 ms, attention 0.18 -> 0.33 ms,
+elementwise 0.02 -> 0.05 ms (NVIDIA/nccl issue #1428, 2024). The mechanism (sjeaugey, NCCL, same
+thread and issue #1433): they compete for HBM bandwidth -- a collective at busbw B stores and reads
+back 2-3 B of HBM traffic -- on top of the SMs NCCL's one block per channel occupies (src/device/).
+The GEMM's figure is used: compute-bound kernels dominate the compute window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,10 +415,15 @@ def _intra_link(gpu: GPU) -> _Link:
 
 def _dp_link(plan: TrainingPlan, hardware: Hardware) -> _Link:
     """DP ranks sit on one node when tp*dp fits in it (ranks ordered tp, dp, pp as in Megatron);
-    otherwise the ring crosses the network at the per-GPU NIC bandwidth."""
+    otherwise the ring crosses the network. NCCL spreads a collective's channels over the NICs of
+    the node (all-reduce / all-gather / reduce-scatter aggregate them, all-to-all cannot: sjeaugey,
+    NVIDIA/nccl-tests issue #267), so the bus bandwidth is the NICs of the group's ranks on one
+    node together, capped by NVLink: 2 A100 nodes with 8 x 100 Gb/s NICs measure 600 Gb/s busbw,
+    "roughly matching our expectation" (kwen2501, NVIDIA/nccl issue #495), not one NIC's 100."""
     if hardware.num_nodes == 1 or plan.tp * plan.dp <= hardware.num_gpus_per_node:
         return _intra_link(hardware.gpu)
-    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps), "net")
+    ranks_per_node = max(1, min(plan.dp, hardware.num_gpus_per_node // plan.tp))
+    return _Link(min(hardware.gpu.intra_node_gbps, hardware.inter_node_gbps * ranks_per_node), "net")
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,8 +434,11 @@ class _Comm:
     """Exposed once per optimizer step (accumulation boundary, after the step)."""
 
 
-def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float) -> _Comm:
-    """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under."""
+def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float, *,
+             reduce_itemsize: int | None = None) -> _Comm:
+    """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under;
+    reduce_itemsize: bytes per gradient element as reduced, where the framework reduces in another
+    dtype than the gradient's (see estimate_step_time)."""
     dp = plan.dp
     if dp <= 1:
         return _Comm()
@@ -400,13 +448,13 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     n_local = model.num_params / shard
     trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
     e = _grad_bytes(plan)
-    grads, params = trainable * e, n_local * e
+    grads, params = trainable * (reduce_itemsize or e), n_local * e
     # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
     # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
     ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
     rs3 = _ring_time_s(grads, dp, link, allreduce=False, count=layers)
-    rs = _ring_time_s(grads, dp, link, allreduce=False, count=grads / e / plan.reduce_bucket_size)
-    ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / (e * plan.reduce_bucket_size))
+    rs = _ring_time_s(grads, dp, link, allreduce=False, count=trainable / plan.reduce_bucket_size)
+    ar = _ring_time_s(grads, dp, link, allreduce=True, count=trainable / plan.reduce_bucket_size)
     ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
     one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
     ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
@@ -499,17 +547,27 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 
 # ---- the step -----------------------------------------------------------------------------------
 
-def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> StepTimeEstimate:
+def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
+                       stack: Stack | None = None, reduce_itemsize: int | None = None) -> StepTimeEstimate:
+    """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
+    `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
+    framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
+    under 16-bit params: Composer's 'DEFAULT', torchtitan's default); None = the gradient's dtype,
+    which is what memkit's own runs do (Accelerate sets reduce_dtype to the training dtype,
+    accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)."""
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
-    passes, t_recompute = _micro_compute(gpu, plan, model, tokens)
+    # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
+    # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
+    passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
+                                         early_stop=behaviour(stack).checkpoint_early_stop)
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
     t_host = ops * OP_DISPATCH_S
 
-    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute)
+    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize)
     off = _offload(plan, model, hardware, t_bwd + t_recompute)
 
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h
@@ -542,10 +600,15 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware)
         trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
                      else model.num_params) / (plan.tp * plan.pp)
         partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
-        t_opt = kernels.memory_time_s(gpu, partition * GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer])
+        bytes_per_param = GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer]
+        ops_per_tensor = OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+        looped = (plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER
+                  and not behaviour(stack).foreach_optimizer)
+        if looped:
+            ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
+        t_opt = kernels.memory_time_s(gpu, partition * bytes_per_param)
         if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
-            t_opt = max(t_opt, _param_tensors(model, plan) * OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
-                        * OP_DISPATCH_S)
+            t_opt = max(t_opt, _param_tensors(model, plan) * ops_per_tensor * OP_DISPATCH_S)
 
     step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)

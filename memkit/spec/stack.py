@@ -40,6 +40,10 @@ LAZY_LOADING_TORCH = (1, 13)
 FOREACH_DEFAULT_TORCH = (2, 0)
 SET_TO_NONE_DEFAULT_TORCH = (2, 0)
 TRAINER_SET_TO_NONE = (4, 27)
+CHECKPOINT_EARLY_STOP_TORCH = (2, 1)
+"""Non-reentrant torch.utils.checkpoint stops recomputing once the last saved tensor is back
+(pytorch/pytorch PR #96866, 2023-03, made early stop the default; torch/utils/checkpoint.py
+set_checkpoint_early_stop); earlier versions re-run the whole checkpointed function."""
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
 
 
@@ -111,6 +115,8 @@ class StackBehaviour:
     grads_kept_between_steps: bool = False
     """zero_grad() zero-fills gradients instead of freeing them (torch < 2.0, unless the Trainer of
     transformers >= 4.27 passes set_to_none=True)."""
+    checkpoint_early_stop: bool = True
+    """Non-reentrant checkpoint stops its recompute after the last saved tensor (torch >= 2.1)."""
     notes: tuple[str, ...] = ()
 
 
@@ -137,5 +143,6 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     kept = th is not None and th < SET_TO_NONE_DEFAULT_TORCH and not (tf is not None and tf >= TRAINER_SET_TO_NONE)
     if kept:
         notes.append(f"torch {stack.torch} < 2.0: zero_grad() keeps zero-filled gradients between steps")
+    early_stop = th is None or th >= CHECKPOINT_EARLY_STOP_TORCH
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
-                          grads_kept_between_steps=kept, notes=tuple(notes))
+                          grads_kept_between_steps=kept, checkpoint_early_stop=early_stop, notes=tuple(notes))

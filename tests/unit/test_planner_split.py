@@ -55,16 +55,20 @@ def test_if_needed_splits_only_when_nothing_fits_otherwise():
 
 
 def test_if_needed_keeps_data_parallel_and_auto_keeps_it_within_the_model_uncertainty():
-    # 4 x A100-80GB, llama-3.1-8b, 8 x 4k tokens: the step-time model prices tp=2 a little faster
-    # than the best data-parallel plan, but by less than its measured uncertainty (issue #10), so
-    # auto keeps the lower-risk data-parallel plan and says why.
+    # 4 x A100-80GB, llama-3.1-8b, 8 x 4k tokens: the step-time model prices tp=2 within its
+    # measured uncertainty of the best data-parallel plan (issue #10), so auto keeps the lower-risk
+    # data-parallel plan, and says why when the split was priced faster.
     from memkit.estimate.throughput import step_time_uncertainty
     default = search(request("llama-3.1-8b", "a100-80gb", 4, 8, 4096, split="if-needed"))
     assert (default.chosen.plan.tp, default.chosen.plan.pp) == (1, 1) and default.split_reason == ""
     auto = search(request("llama-3.1-8b", "a100-80gb", 4, 8, 4096, split="auto"))
     assert (auto.chosen.plan.tp, auto.chosen.plan.pp) == (1, 1) and auto.split_reason == ""
     note = [n for n in auto.notes if n.startswith("kept ")]
-    assert len(note) == 1 and "tp2" in note[0] and "lower risk (no model split)" in note[0]
+    tp2 = search(request("llama-3.1-8b", "a100-80gb", 4, 8, 4096, tp=2)).chosen.speed.step_time_s
+    if tp2 < auto.chosen.speed.step_time_s:   # the split is priced faster, within the uncertainty
+        assert len(note) == 1 and "tp2" in note[0] and "lower risk (no model split)" in note[0]
+    else:   # the data-parallel plan is priced faster outright: nothing to explain
+        assert note == []
     split = [a for a in auto.alternatives if a.plan.tp == 2]
     if split:  # when the split is among the alternatives shown, its gain is within the uncertainty
         assert auto.chosen.speed.step_time_s <= split[0].speed.step_time_s * (1 + step_time_uncertainty())

@@ -60,10 +60,10 @@ def test_flash_attention_and_memory_bound_terms():
     counted = 4.0 * 8192 * 4096 * 32 * 128
     assert kernels.flash_attention_time_s(A100, "bf16", counted) == pytest.approx(counted / (312e12 * 0.50 * A100_CLOCK))
     h100 = find_gpu("h100-80gb")
-    # Hopper's sustained clock: MSMF / MAMF = 702.9 / 828.0 (H200, mamf-finder)
+    # Hopper's power-limited clock: 1575 of 1980 MHz (deepseek-ai/DeepGEMM issue #120)
     assert kernels.flash_attention_time_s(h100, "bf16", counted) == pytest.approx(
-        counted / (989.5e12 * 0.35 * 702.9 / 828.0))
-    assert kernels.matmul_efficiency(h100, "bf16") == pytest.approx(0.801 * 702.9 / 828.0)
+        counted / (989.5e12 * 0.35 * 1575 / 1980))
+    assert kernels.matmul_efficiency(h100, "bf16") == pytest.approx(0.801 * 1575 / 1980)
     assert kernels.matmul_efficiency(find_gpu("v100-16gb"), "fp16") == 0.90   # no sustained figure
     assert not kernels.has_flash_kernel(find_gpu("v100-16gb"), "fp16")
     assert not kernels.has_flash_kernel(A100, "fp32")
@@ -112,7 +112,9 @@ def test_more_data_parallel_ranks_add_ring_latency():
     plan = TrainingPlan(zero_stage=3, engine="torch", micro_batch_size=4, seq_len=2048, attention="flash")
     t = [estimate_step_time(LLAMA8B, plan.with_(dp=8 * k), Hardware(gpu=A100, num_gpus_per_node=8, num_nodes=k))
          for k in (2, 4, 16)]
-    assert t[0].step_time_s < t[1].step_time_s < t[2].step_time_s
+    # the step itself may get shorter (a smaller optimizer shard per rank) once the ring hides
+    # under compute; the communication term grows with the ring's length
+    assert t[0].components_s["dp_comm"] < t[1].components_s["dp_comm"] < t[2].components_s["dp_comm"]
     assert t[0].components_s["compute"] == t[2].components_s["compute"]
 
 
