@@ -71,29 +71,39 @@ def activation_offload_transfer_s(spec: ModelSpec, plan: TrainingPlan, pcie_gbps
     return 2 * offloaded_activation_bytes(spec, plan) / (pcie_gbps * GB)
 
 
-def largest_trainable_tensor(spec: ModelSpec, plan: TrainingPlan, largest_tensor: int) -> int:
-    """Elements of the largest trainable tensor: under LoRA the largest adapter matrix (r x in or
-    out x r of a targeted linear), else the largest weight (`largest_tensor`, estimate/memory.py)."""
-    if not plan.is_lora:
-        return largest_tensor
-    sizes = [plan.lora_rank * max(lin.in_features, lin.out_features)
-             for lin in spec.layer_linears if lin.name in plan.lora_targets]
-    return max(sizes, default=0)
+def largest_block_tensor(spec: ModelSpec, plan: TrainingPlan) -> int:
+    """Elements of the largest trainable tensor of one block: under LoRA the largest adapter
+    matrix (r x in or out x r of a targeted linear), else the largest linear weight."""
+    if plan.is_lora:
+        return max((plan.lora_rank * max(lin.in_features, lin.out_features)
+                    for lin in spec.layer_linears if lin.name in plan.lora_targets), default=0)
+    return max((lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
+                for lin in spec.layer_linears), default=0)
 
 
-def one_gradient_states(st, spec: ModelSpec, plan: TrainingPlan, largest_tensor: int):
-    """`st` (estimate/states.py States) for the optimizer in backward: one parameter's gradient
-    and one parameter's step temporaries; returns it."""
+def _step_bytes(plan: TrainingPlan, numel: int) -> tuple[int, int]:
+    """(gradient bytes, step temporaries) of one tensor stepped alone. AdamW (foreach) on a
+    one-tensor group allocates exp_avg_sq_sqrt the size of that tensor (estimate/states.py _adam_temp)."""
+    grad_b = 2 if plan.precision == "bf16-pure" else 4
+    return numel * grad_b, (numel * grad_b if plan.optimizer == "adamw" else 0)
+
+
+def one_gradient_states(st, spec: ModelSpec, plan: TrainingPlan):
+    """`st` (estimate/states.py States) for the optimizer in backward: in a block's backward, one
+    of its parameters' gradient and step temporaries; returns it. A tied embedding/head weight's
+    hook fires once, after its second use (the embedding) has added its part: the autograd
+    engine holds the head's part in the weight's input buffer through the whole backward
+    (torch/csrc/autograd/input_buffer.cpp). An untied head steps right after its own backward,
+    when the loss's gradients (2 x tokens x V x 4 bytes) are already freed, and is never larger
+    than them for tokens >= hidden size; it is not a moment of its own here."""
     if not plan.optimizer_in_backward or st.gradients == 0:
         return st
-    grad_b = 2 if plan.precision == "bf16-pure" else 4
-    one = largest_trainable_tensor(spec, plan, largest_tensor)
-    st.gradients = one * grad_b
+    grad, temp = _step_bytes(plan, largest_block_tensor(spec, plan))
+    tied = spec.tie_word_embeddings and not plan.is_lora
+    st.gradients = grad + (_step_bytes(plan, spec.vocab_size * spec.hidden_size)[0] if tied else 0)
+    st.step_transient = temp
     st.gradients_grow = False
-    # AdamW (foreach) on a one-tensor group: exp_avg_sq_sqrt the size of that tensor (states.py _adam_temp).
-    st.step_transient = one * grad_b if plan.optimizer == "adamw" else 0
     return st
-
 
 IN_BACKWARD_OPS_PER_TENSOR = {"adamw": 9, "sgd": 3, "adamw-8bit": 3, "paged-adamw-8bit": 3, "adafactor": 15}
 """Ops one optimizer issues per step of a one-tensor group (the optimizer in backward steps each

@@ -192,7 +192,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
     st = model_states(plan, rp, device=device)
-    st = one_gradient_states(st, model, plan, rp.largest_tensor)  # --optimizer-in-backward
+    st = one_gradient_states(st, model, plan)  # --optimizer-in-backward
     if not habits.foreach_optimizer and plan.engine == "torch" and plan.optimizer == "adamw":
         # torch < 2.0 loops over parameters: one parameter's sqrt temporary at a time (spec/stack.py)
         st.step_transient = min(st.step_transient, rp.largest_tensor * (2 if plan.precision == "bf16-pure" else 4))
