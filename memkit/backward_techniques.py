@@ -60,3 +60,13 @@ def optimizer_in_backward_error(plan) -> str | None:
     if plan.offload_optimizer != "none":
         return f"{flag} with --offload-optimizer {plan.offload_optimizer}: use --offload-optimizer none"
     return None
+
+
+def add_backward_args(g, *, for_search: bool = False) -> None:
+    """--offload-activations and --optimizer-in-backward on an argparse group (estimate, suggest
+    pins, the runner); `for_search`: not given = None."""
+    g.add_argument("--offload-activations", choices=ACTIVATION_OFFLOADS, default=None if for_search else "none",
+                   help="cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)")
+    g.add_argument(OPTIMIZER_IN_BACKWARD_FLAG, action="store_true", default=None if for_search else False,
+                   help="step each parameter in its gradient hook (one gradient alive); needs --grad-accum 1, "
+                        "engine torch on one GPU, no fp16; implies --gradient-clipping 0")

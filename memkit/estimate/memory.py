@@ -354,6 +354,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
     if num.autocast:
         notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
+    if offload:
+        notes.append(f"activation offload: {offloaded_activation_bytes(model, plan, device=device) / GIB:.2f} GiB of "
+                     "saved activations per micro-batch in pinned host RAM per GPU (estimate/backward_techniques.py)")
+    if plan.optimizer_in_backward:
+        notes.append("optimizer in backward: each parameter steps in its gradient hook; one gradient alive at a time")
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + context),

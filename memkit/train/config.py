@@ -13,6 +13,7 @@ from memkit.plan import TrainingPlan
 PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "micro_batch_size", "grad_accum",
               "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
+PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "none")

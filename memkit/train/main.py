@@ -22,6 +22,7 @@ from typing import Any
 
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
+from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import RunConfig
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g.add_argument("--lora-dropout", type=float)
     g.add_argument("--lora-targets", help="comma-separated module names, e.g. q_proj,v_proj")
     g.add_argument("--gradient-clipping", type=float, help="max global grad norm (0 = off)")
+    add_backward_args(g, for_search=True)  # None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
     o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
@@ -100,7 +102,16 @@ def plan_flags(args: argparse.Namespace) -> dict:
             "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
             "lora_targets": tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-            "gradient_clipping": args.gradient_clipping}
+            "gradient_clipping": args.gradient_clipping,
+            **backward_flags(args)}
+
+
+def backward_flags(args: argparse.Namespace) -> dict:
+    """--offload-activations, --optimizer-in-backward (which implies --gradient-clipping 0 unless given)."""
+    out = {"offload_activations": args.offload_activations, "optimizer_in_backward": args.optimizer_in_backward}
+    if args.optimizer_in_backward and args.gradient_clipping is None:
+        out["gradient_clipping"] = 0.0
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
