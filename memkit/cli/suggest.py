@@ -10,6 +10,7 @@ from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_a
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
@@ -39,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--loss", choices=LOSSES,
                       help="default: standard, or chunked when the logits keep a plan from fitting")
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
+    add_backward_args(pins, for_search=True)  # memkit/backward_techniques.py, planner/backward.py
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
                       help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
@@ -97,6 +99,7 @@ def request_from_args(args: argparse.Namespace):
         optimizer=args.optimizer, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
         checkpointing=args.checkpointing, loss=args.loss, attention=args.attention, max_micro_batch=args.max_micro_batch,
+        offload_activations=args.offload_activations, optimizer_in_backward=bool(args.optimizer_in_backward),
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         pp=parse_degree(args.pp, "--pp"),
         split="auto").validate()
