@@ -93,10 +93,13 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         return self
 
 
-def activation_context(model, plan, *, store=None):
-    """The forward's context for the plan: OffloadSavedTensors or a null context."""
+def activation_context(model, plan, *, store=None, copy_on_cpu: bool = False):
+    """The forward's context for the plan: OffloadSavedTensors or a null context. `copy_on_cpu`
+    (tests): copy CPU tensors too, through a HostStore, so a CPU run exercises pack and unpack."""
     if plan.offload_activations == "none":
         return contextlib.nullcontext()
+    if copy_on_cpu and store is None:
+        store = HostStore()
     return OffloadSavedTensors(list(model.parameters()), store=store)
 
 
@@ -137,3 +140,19 @@ class OptimizerInBackward:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def offload_activations(model):
+    """`model` whose forward (loss included, as HF models compute it from `labels`) runs under
+    OffloadSavedTensors: what the bundle's Trainer recipe applies for --offload-activations cpu."""
+    import functools
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args, **kwargs):
+        with OffloadSavedTensors(list(model.parameters())):
+            return forward(*args, **kwargs)
+
+    model.forward = offloaded
+    return model

@@ -55,6 +55,8 @@ class RunConfig:
     """Testing aid: after this step rank 0 sends SIGTERM to the launcher (its parent process), which
     forwards it to every rank, as a scheduler's preemption does."""
     debug_crash_in_save_at_step: int | None = None
+    debug_offload_copy_on_cpu: bool = False
+    """Tests: --offload-activations copies saved tensors even on CPU (train/backward_techniques.py)."""
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
     debug_oom_at_step: int | None = None
     """Testing aid (env MEMKIT_DEBUG_OOM_AT_STEP): rank 0 raises torch.OutOfMemoryError at this step."""

@@ -92,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     d.add_argument("--eval-every", type=int, default=0, help="eval loss every N steps (default: at the end)")
     c.add_argument("--debug-signal-at-step", type=int, help=argparse.SUPPRESS)
     c.add_argument("--debug-crash-in-save-at-step", type=int, help=argparse.SUPPRESS)
+    c.add_argument("--debug-offload-copy-on-cpu", action="store_true", help=argparse.SUPPRESS)
 
 
 def plan_flags(args: argparse.Namespace) -> dict:
@@ -193,6 +194,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
         report_json=Path(args.report_json) if args.report_json else None,
         debug_signal_at_step=args.debug_signal_at_step,
         debug_crash_in_save_at_step=args.debug_crash_in_save_at_step,
+        debug_offload_copy_on_cpu=args.debug_offload_copy_on_cpu,
         debug_oom_at_step=_env_int("MEMKIT_DEBUG_OOM_AT_STEP")).validate()
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len
