@@ -42,6 +42,14 @@ def optimizer_in_backward_error(plan) -> str | None:
     if not plan.optimizer_in_backward:
         return None
     flag = OPTIMIZER_IN_BACKWARD_FLAG
+    if plan.engine != "torch" or plan.zero_stage != 0:
+        return (f"{flag} with engine {plan.engine} ZeRO-{plan.zero_stage}: DeepSpeed/FSDP own the optimizer "
+                "step; use engine torch with --zero 0")
+    if plan.num_gpus > 1:
+        return (f"{flag} with {plan.num_gpus} GPUs: DDP reduces gradients after the per-parameter hook "
+                "has stepped; use one GPU")
+    if plan.offload_optimizer != "none":
+        return f"{flag} with --offload-optimizer {plan.offload_optimizer}: use --offload-optimizer none"
     if plan.grad_accum > 1:
         return (f"{flag} with --grad-accum {plan.grad_accum}: each parameter steps as soon as its "
                 "gradient lands, so gradients cannot accumulate; use --grad-accum 1 (or a larger micro-batch)")
@@ -51,14 +59,6 @@ def optimizer_in_backward_error(plan) -> str | None:
     if plan.precision == "fp16":
         return (f"{flag} with --precision fp16: the loss scaler unscales (and may skip) the step over every "
                 "gradient after backward; use --precision bf16 or fp32")
-    if plan.engine != "torch" or plan.zero_stage != 0:
-        return (f"{flag} with engine {plan.engine} ZeRO-{plan.zero_stage}: DeepSpeed/FSDP own the optimizer "
-                "step; use engine torch with --zero 0")
-    if plan.num_gpus > 1:
-        return (f"{flag} with {plan.num_gpus} GPUs: DDP reduces gradients after the per-parameter hook "
-                "has stepped; use one GPU")
-    if plan.offload_optimizer != "none":
-        return f"{flag} with --offload-optimizer {plan.offload_optimizer}: use --offload-optimizer none"
     return None
 
 
@@ -68,5 +68,6 @@ def add_backward_args(g, *, for_search: bool = False) -> None:
     g.add_argument("--offload-activations", choices=ACTIVATION_OFFLOADS, default=None if for_search else "none",
                    help="cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)")
     g.add_argument(OPTIMIZER_IN_BACKWARD_FLAG, action="store_true", default=None if for_search else False,
-                   help="step each parameter in its gradient hook (one gradient alive); needs --grad-accum 1, "
-                        "engine torch on one GPU, no fp16; implies --gradient-clipping 0")
+                   help="step each parameter in its gradient hook (one gradient alive); needs engine torch on one "
+                        "GPU, --grad-accum 1, no fp16 and no clipping (estimate/suggest set it to 0; the runner "
+                        "wants --gradient-clipping 0)")

@@ -108,11 +108,8 @@ def plan_flags(args: argparse.Namespace) -> dict:
 
 
 def backward_flags(args: argparse.Namespace) -> dict:
-    """--offload-activations, --optimizer-in-backward (which implies --gradient-clipping 0 unless given)."""
-    out = {"offload_activations": args.offload_activations, "optimizer_in_backward": args.optimizer_in_backward}
-    if args.optimizer_in_backward and args.gradient_clipping is None:
-        out["gradient_clipping"] = 0.0
-    return out
+    """--offload-activations, --optimizer-in-backward (memkit/backward_techniques.py)."""
+    return {"offload_activations": args.offload_activations, "optimizer_in_backward": args.optimizer_in_backward}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
