@@ -177,3 +177,56 @@ def test_optimizer_in_backward_equals_the_plain_step(optimizer):
             opt.load_state_dict(state)
     for a, b in zip(*finals):
         assert torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+# ---- the emitted paths -------------------------------------------------------------------------
+
+def test_trainer_model_code_offloads_and_keeps_the_loss_and_gradients():
+    """The bundle's Trainer model code for --offload-activations cpu, run as printed (with copies
+    forced through a store, as a GPU would copy): same loss and gradients as the plain model."""
+    from memkit.emit.trainer import model_code
+    from memkit.train import backward_techniques
+
+    plan = TrainingPlan(**TORCH, offload_activations="cpu", loss="chunked")
+    code = model_code(plan)
+    assert code[-1].startswith("model = offload_activations(model)")
+    results = []
+    for offload in (False, True):
+        model = _model(LLAMA, plan)
+        from memkit.train.chunked_loss import chunked_causal_lm
+
+        model = chunked_causal_lm(model)
+        if offload:
+            hooks = []
+            original = backward_techniques.OffloadSavedTensors
+
+            def counting(params, store=None):
+                hooks.append(original(params, store=backward_techniques.NumpyStore()))
+                return hooks[-1]
+            backward_techniques.OffloadSavedTensors = counting
+            try:
+                scope = {"model": model}
+                exec("\n".join(code[-2:]), scope)
+                model = scope["model"]
+                loss = model(**_batch(plan)).loss
+            finally:
+                backward_techniques.OffloadSavedTensors = original
+            assert hooks and hooks[0].moved_bytes > 0
+        else:
+            loss = model(**_batch(plan)).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_trainer_path_refuses_the_optimizer_in_backward(tmp_path):
+    from memkit import api
+    from memkit.emit.bundle import backward_paragraphs
+
+    plan = TrainingPlan(**TORCH, optimizer_in_backward=True)
+    with pytest.raises(MemkitError, match="HF Trainer cannot run"):
+        api.training_arguments(plan, output_dir=str(tmp_path))
+    text = " ".join(backward_paragraphs(plan.to_dict()))
+    assert "Trainer has no flag for it" in text and "register_post_accumulate_grad_hook" in text
