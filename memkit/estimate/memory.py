@@ -219,7 +219,6 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     def kept_below(j: int) -> int:  # bytes kept by blocks 0..j-1
         return (min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block) * in_flight
 
-    layers_act = kept_below(n_layers)
     # --offload-activations cpu (estimate/backward_techniques.py): saved activations live on the
     # host; the GPU holds the block being run (forward) or differentiated (backward) only.
     offload = offloads_activations(plan)

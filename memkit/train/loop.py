@@ -438,7 +438,8 @@ def _steps(st: _Run) -> None:
                 local_loss, grad_norm = _accumulate_window(
                     accelerator, st.model, st.optimizer, data, micro_batches,
                     device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds,
-                    forward_context=lambda: activation_context(st.model, plan, copy_on_cpu=run.debug_offload_copy_on_cpu))
+                    forward_context=lambda: activation_context(
+                        st.model, plan, copy_on_cpu=run.debug_offload_copy_on_cpu))
                 if st.layout.tp_rank:  # the ranks of a TP group saw one batch: count it once
                     local_loss = local_loss * 0
             if is_ds:

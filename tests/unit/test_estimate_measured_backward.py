@@ -50,7 +50,8 @@ def test_backward_technique_estimate_within_tolerance_of_measured_peak(row):
     if row["id"] in OVER_PREDICTED:
         assert error == pytest.approx(OVER_PREDICTED[row["id"]], abs=0.005), row["id"]
     else:
-        assert abs(error) <= TOLERANCE, f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs {peak}"
+        assert abs(error) <= TOLERANCE, (
+            f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs {peak}")
     assert est.num_trainable_params == row["num_trainable_params"]
 
 
