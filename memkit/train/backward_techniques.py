@@ -66,6 +66,8 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self.num_saved += 1
             if isinstance(tensor, torch.nn.Parameter) or (keep_cpu and tensor.device.type == "cpu"):
                 return tensor
+            if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+                return tensor  # subclasses (DTensor, quantized wrappers) and sparse layouts stay as saved
             storage = tensor.untyped_storage()
             if storage.data_ptr() in param_ptrs or storage.nbytes() == 0:
                 return tensor
