@@ -127,6 +127,11 @@ def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay:
         beside = Path(document.path).resolve().parent / "ds_config.json"
         if plan.engine == "deepspeed" and beside.is_file():
             deepspeed = str(beside)
+    if plan.optimizer_in_backward:  # memkit/backward_techniques.py; the bundle README says the same
+        from memkit.errors import MemkitError
+
+        raise MemkitError("this plan steps the optimizer in backward, which HF Trainer cannot run (it steps and "
+                          "clips after backward); train it with launch/finetune.py --plan plan.json")
     args = trainer_arguments(plan, lr=lr, weight_decay=weight_decay)
     if deepspeed is not None:
         args["deepspeed"] = deepspeed

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from memkit.errors import MemkitError
 from memkit.parallel import split_knob_error
+from memkit.backward_techniques import activation_offload_error, optimizer_in_backward_error
 from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error  # noqa: F401
 from memkit.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
@@ -45,6 +46,11 @@ class TrainingPlan:
     loss: str = "standard"
     """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
     liger-kernel's fused linear cross-entropy (CUDA only). memkit/techniques.py."""
+    offload_activations: str = "none"
+    """'cpu': every saved activation to host RAM in forward, back in backward (memkit/backward_techniques.py)."""
+    optimizer_in_backward: bool = False
+    """Each parameter steps in its post-accumulate-grad hook; one gradient alive at a time
+    (memkit/backward_techniques.py states what it cannot run with)."""
     attention: str = "sdpa"
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -163,6 +169,10 @@ class TrainingPlan:
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
+        for error in (activation_offload_error(self.offload_activations, pp=self.pp, tp=self.tp),
+                      optimizer_in_backward_error(self)):
+            if error:
+                raise MemkitError(error)
         split_error = split_knob_error(self)  # memkit/parallel.py states the split rules
         if split_error:
             raise MemkitError(split_error)

@@ -6,6 +6,7 @@ import argparse
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
 from memkit.quantize import QUANTIZE_BASES
+from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
 from memkit.units import format_bytes, parse_bytes
@@ -67,6 +68,7 @@ def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> No
                    help="standard (full fp32 logits), chunked (memkit's chunked cross-entropy), "
                         "fused (liger-kernel, CUDA only)")
     g.add_argument("--attention", choices=ATTENTIONS, default=default("sdpa"))
+    add_backward_args(g, for_search=for_search)  # memkit/backward_techniques.py
     g.add_argument("--tp", type=int, default=default(1))
     g.add_argument("--pp", type=int, default=default(1))
     g.add_argument("--lora-rank", type=int, default=default(0))

@@ -43,7 +43,9 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
         dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
         lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args),
-        quantize_base=args.quantize_base, double_quant=not args.no_double_quant).validate()
+        quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
+        offload_activations=args.offload_activations, optimizer_in_backward=args.optimizer_in_backward,
+        **({"gradient_clipping": 0.0} if args.optimizer_in_backward else {})).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
              f"ckpt {plan.checkpointing}, loss {plan.loss}, {plan.attention}, micro {plan.micro_batch_size} x seq "
              f"{plan.seq_len} x accum {plan.grad_accum}, tp {plan.tp} pp {plan.pp} dp {plan.dp}"
              f"{', LoRA r' + str(plan.lora_rank) if plan.is_lora else ''}"
-             f"{', ' + plan.quantize_base + ' base' if plan.is_quantized else ''}")
+             f"{', ' + plan.quantize_base + ' base' if plan.is_quantized else ''}"
+             f"{', activations offloaded to cpu' if plan.offload_activations != 'none' else ''}"
+             f"{', optimizer in backward' if plan.optimizer_in_backward else ''}")
     print(render_breakdown(est, title=title))
     for line in approximations:
         print(f"  approximated: {line}")

@@ -135,6 +135,10 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         else:
             buckets += f", allgather {plan['allgather_bucket_size']:,}"
         knobs.append(("ZeRO buffers", f"{buckets} elements; overlap_comm {str(plan['overlap_comm']).lower()}"))
+    if plan.get("offload_activations", "none") != "none":  # memkit/backward_techniques.py
+        knobs.append(("activation offload", f"{plan['offload_activations']} (saved activations in pinned host RAM)"))
+    if plan.get("optimizer_in_backward"):
+        knobs.append(("optimizer in backward", "yes (one optimizer per parameter, stepped in its gradient hook)"))
     knobs.append(("gradient clipping", str(plan["gradient_clipping"])))
     left = device - est["nvidia_smi_peak_bytes"]
     knobs += [

@@ -11,6 +11,7 @@ from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
 from memkit.quantize import QUANTIZE_BASES
+from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--no-double-quant", action="store_true",
                       help="with a 4-bit base: keep the block scales in fp32 (default: double quantisation)")
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
+    add_backward_args(pins, for_search=True)  # memkit/backward_techniques.py, planner/backward.py
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
                       help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
@@ -106,6 +108,7 @@ def request_from_args(args: argparse.Namespace):
         optimizer=args.optimizer, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
         offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
         checkpointing=args.checkpointing, loss=args.loss, attention=args.attention, max_micro_batch=args.max_micro_batch,
+        offload_activations=args.offload_activations, optimizer_in_backward=bool(args.optimizer_in_backward),
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
         pp=parse_degree(args.pp, "--pp"),

@@ -176,6 +176,7 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"param offload {plan['offload_params']} |",
         f"| checkpointing / attention | {_checkpointing_text(plan['checkpointing'])} / {plan['attention']} |",
         f"| loss | {plan.get('loss', 'standard')} |",
+        *backward_rows(plan),
         f"| tp / pp / dp | {plan['tp']} / {plan['pp']} / {plan['dp']} |",
     ]
     for split, how in (document.get("engines") or {}).items():
@@ -222,6 +223,7 @@ def readme(document: dict, *, out_dir: str) -> str:
     if plan["optimizer"] in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
                   "the config allows that (`zero_allow_untested_optimizer`).", ""]
+    lines += backward_paragraphs(plan)
     if plan["offload_optimizer"] == "nvme" or plan["offload_params"] == "nvme":
         lines += ["NVMe offload writes to the `nvme_path` in ds_config.json: it must be a fast local "
                   "NVMe mount on every node.", ""]
@@ -295,6 +297,34 @@ def _quantized_trainer_lines(recipe, *, checkpoint: str, kwargs: str, out_dir: s
         "",
     ]
     return lines
+
+
+def backward_rows(plan: dict) -> list[str]:
+    """Table rows for activation offload / the optimizer in backward (memkit/backward_techniques.py)."""
+    rows = []
+    if plan.get("offload_activations", "none") != "none":
+        rows.append(f"| activation offload | {plan['offload_activations']} (saved activations in pinned host RAM) |")
+    if plan.get("optimizer_in_backward"):
+        rows.append("| optimizer in backward | yes: each parameter steps in its gradient hook; no gradient clipping |")
+    return rows
+
+
+def backward_paragraphs(plan: dict) -> list[str]:
+    """How to run the two techniques outside the table: the runner does both; Trainer only offload."""
+    out = []
+    if plan.get("offload_activations", "none") != "none":
+        out += ["Activation offload: launch/finetune.py wraps each forward (and the loss) in "
+                "`memkit.train.backward_techniques.OffloadSavedTensors` (torch's save_on_cpu with pinned memory, "
+                "parameters not copied, each storage copied once). A Trainer script applies it with "
+                "`model = offload_activations(model)` (in the model code above). It needs the host RAM in the "
+                "table, pinned, and its copies are not overlapped with compute.", ""]
+    if plan.get("optimizer_in_backward"):
+        out += ["Optimizer in backward: run it with memkit's runner, the command above (one process, "
+                "plain PyTorch; it registers one optimizer per parameter and steps it in "
+                "`Tensor.register_post_accumulate_grad_hook`). Hugging Face Trainer has no flag for it and cannot "
+                "run it: Trainer steps and clips after backward and builds its LR scheduler on one torch "
+                "optimizer, so no TrainingArguments are given for this plan.", ""]
+    return out
 
 
 def _checkpointing_text(value: str) -> str:

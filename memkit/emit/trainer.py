@@ -113,6 +113,9 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     if plan.loss == "chunked":
         lines += ["from memkit.train.chunked_loss import chunked_causal_lm",
                   "model = chunked_causal_lm(model)  # the loss over chunks; logits are never materialised"]
+    if plan.offload_activations == "cpu":  # memkit/backward_techniques.py
+        lines += ["from memkit.train.backward_techniques import offload_activations",
+                  "model = offload_activations(model)  # saved activations to pinned host RAM in forward"]
     return tuple(lines)
 
 

@@ -24,6 +24,8 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
+from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
+                                                 one_gradient_states)
 from memkit.estimate.bounds import QUANTILE, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
@@ -198,6 +200,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     quantized = base_bytes(model, plan, rp.num_params) if plan.is_quantized else {}  # estimate/quantized.py
     if quantized:
         st.weights = quantized.pop("weights")
+    st = one_gradient_states(st, model, plan)  # --optimizer-in-backward
     if not habits.foreach_optimizer and plan.engine == "torch" and plan.optimizer == "adamw":
         # torch < 2.0 loops over parameters: one parameter's sqrt temporary at a time (spec/stack.py)
         st.step_transient = min(st.step_transient, rp.largest_tensor * (2 if plan.precision == "bf16-pure" else 4))
@@ -211,12 +214,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     per_layer = blk.saved_bytes
     autocast_copy = head_copy = 0
     if num.autocast:
-        # torch.autocast caches the bf16 copy of every linear weight for the whole forward
-        # (torch/csrc/autograd/autocast_mode.cpp, cached_cast); the matmuls save them for backward.
-        autocast_copy = num.autocast * sum(
-            lin.count * lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
-            for lin in model.layer_linears  # MoE experts' grouped_mm is not autocast (transformers moe.py)
-            if not lin.role.startswith("expert"))
+        autocast_copy = autocast_copy_bytes(model, plan)  # the cached 16-bit weight copies
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
     if plan.is_quantized:  # 4-bit bases run bitsandbytes' matmul, which autocast does not cast (tape.py)
         autocast_copy = 0
@@ -234,7 +232,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     def kept_below(j: int) -> int:  # ... of every in-flight micro-batch
         return kept_one(j) * in_flight
 
-    layers_act = kept_below(n_layers)
+    # --offload-activations cpu (estimate/backward_techniques.py): saved activations live on the
+    # host; the GPU holds the block being run (forward) or differentiated (backward) only.
+    offload = offloads_activations(plan)
+    on_gpu_below = (lambda j: 0) if offload else kept_below
 
     # -- gradients as they land ----------------------------------------------------------------
     # From the 2nd micro-batch on, all gradients are held -- except in a pipeline, where GPipe
@@ -282,6 +283,10 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
     landing = _landing(rp, st, plan, model)
     dequant = dequantized_weight_bytes(model, plan) if plan.is_quantized else 0  # one linear's, in backward
+    if offload and num.autocast and not plan.is_lora:  # the cache stays on the GPU for the forward
+        amp_cache = autocast_copy * n_layers
+    if plan.optimizer_in_backward:  # the hook steps and frees each gradient as it lands
+        fwd_grads, landing = 0, st.step_transient  # + one parameter's step temporaries
 
     phases: dict[str, dict[str, int]] = {}
     phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
@@ -290,7 +295,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
                   if (habits.shifted_logits_copy and last and model.kind == "decoder"
                       and plan.loss == "standard") else 0)
-    phases["forward"] = {**base, "gradients": fwd_grads, "activations": layers_act + embed_saved,
+    phases["forward"] = {**base, "gradients": fwd_grads, "activations": on_gpu_below(n_layers) + embed_saved,
                          "autocast_weight_copies": amp_cache,
                          loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
                          "pipeline_logits": pipe.forward_logits_bytes, "zero3_gathered_params": gather}
@@ -299,12 +304,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if last:  # the loss backward, with every block's activations still saved
         first_grads.append(grads_after(0, held=False) if head_grad_lands_early(plan) else first_fwd_grads)
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
-                        "activations": layers_act + embed_saved,
+                        "activations": on_gpu_below(n_layers) + embed_saved,
                         loss_component(plan): head_saved + head.backward_peak_bytes,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
-        # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards)
-        remaining = kept_one(j) + (in_flight - 1) * kept_one(n_layers) + embed_saved
+        # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
+        # with activation offload the blocks below live on the host
+        remaining = (0 if offload else kept_one(j) + (in_flight - 1) * kept_one(n_layers)) + embed_saved
         if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
         else:
@@ -335,7 +341,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # -- the steady-state step replayed through the allocator ------------------------------------
     after_step = {**phases["optimizer_step"], "gradients": fwd_grads, "optimizer_step_temporaries": 0}
     fwd_walk = [{**phases["forward"], loss_component(plan): 0,
-                 "activations": kept_below(k) + embed_saved,
+                 "activations": on_gpu_below(k) + embed_saved + (per_layer if offload and k < n_layers else 0),
                  "autocast_weight_copies": amp_cache * k // max(1, n_layers)}
                 for k in range(n_layers + 1)]
     step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
@@ -378,7 +384,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         components["allocator_rounding"] = allocated - totals[peak_phase]
     context = outside
 
-    host = _host_bytes(model, plan, hardware, st)
+    host = _host_bytes(model, plan, hardware, st) + (
+        offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
     notes = list(habits.notes)
     if plan.zero_stage == 3 and plan.engine == "deepspeed":
         notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
@@ -390,6 +397,11 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if plan.is_quantized:
         notes.append(f"{plan.quantize_base} base (bitsandbytes 4-bit, double quant {'on' if plan.double_quant else 'off'}): "
                      "each linear dequantised into the compute dtype per matmul; the rest fp32")
+    if offload:
+        notes.append(f"activation offload: {offloaded_activation_bytes(model, plan, device=device) / GIB:.2f} GiB of "
+                     "saved activations per micro-batch in pinned host RAM per GPU (estimate/backward_techniques.py)")
+    if plan.optimizer_in_backward:
+        notes.append("optimizer in backward: each parameter steps in its gradient hook; one gradient alive at a time")
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + context),

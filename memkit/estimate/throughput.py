@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from memkit.estimate import kernels
+from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
@@ -521,6 +522,8 @@ def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: fl
         step += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
         if plan.offload_optimizer == "nvme":
             step += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
+    if plan.offload_activations != "none":  # saved activations out and back, on the compute stream
+        micro += activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
     if plan.offload_params != "none":
         p_part = model.num_params / shard / plan.dp * e
         micro += 2 * p_part / pcie
@@ -609,6 +612,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         t_opt = kernels.memory_time_s(gpu, partition * bytes_per_param)
         if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
             t_opt = max(t_opt, _param_tensors(model, plan) * ops_per_tensor * OP_DISPATCH_S)
+        if plan.optimizer_in_backward:  # one step() per tensor, inside backward
+            t_opt = max(t_opt, _param_tensors(model, plan) * IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
+                        * OP_DISPATCH_S)
 
     step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)

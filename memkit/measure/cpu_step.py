@@ -150,6 +150,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
     generator = torch.Generator().manual_seed(seed + 1)
     folder = contextlib.ExitStack()
     quantized_from = fresh_checkpoint(model_config, plan, seed, folder) if plan.is_quantized else None
+    moved_bytes = None
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if plan.precision == "bf16" \
         else contextlib.nullcontext
     boundary: dict[str, dict] = {}
@@ -159,7 +160,15 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
                                 quantized_from=quantized_from)
             params = [p for p in model.parameters()]
             trainable = [p for p in params if p.requires_grad]
-            optimizer, opt_kwargs = build_optimizer(trainable, plan, lr=lr, foreach=foreach)
+            if plan.optimizer_in_backward:  # one optimizer per parameter, stepped in its grad hook
+                from memkit.train.backward_techniques import OptimizerInBackward
+
+                kwargs_box: list = []
+                optimizer = OptimizerInBackward(trainable, lambda ps: _remember(
+                    build_optimizer(ps, plan, lr=lr, foreach=foreach), kwargs_box))
+                opt_kwargs = {**kwargs_box[0], "in_backward": True}
+            else:
+                optimizer, opt_kwargs = build_optimizer(trainable, plan, lr=lr, foreach=foreach)
         vocab_size = model.config.vocab_size
         tracker.tag(model.buffers(), "buffer")
         tracker.tag(params, "param")
@@ -167,8 +176,12 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
             for _micro in range(plan.grad_accum):
                 batch = random_batch(vocab_size, plan, generator)
                 with tracker.phase(f"forward#{step}"):
-                    with autocast():
+                    # --offload-activations: saved tensors to a store the tracker does not see, as a
+                    # GPU's counters would not see pinned host copies (train/backward_techniques.py).
+                    with autocast(), _offload_context(model, plan) as offload:
                         loss = model(**batch).loss / plan.grad_accum
+                    if offload is not None:
+                        moved_bytes = offload.moved_bytes
                 with tracker.phase(f"backward#{step}"):
                     loss.backward()
                 del loss, batch
@@ -196,6 +209,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         "optimizer": opt_kwargs,
         "num_steps": num_steps,
         "checkpoint_reentrant": checkpoint_reentrant,
+        **({"offloaded_bytes_per_micro_batch": moved_bytes} if moved_bytes is not None else {}),
     }
 
 
@@ -209,6 +223,23 @@ def fresh_checkpoint(model_config, plan: TrainingPlan, seed: int, stack: context
     build_model(model_config, plan.with_(quantize_base="none", lora_rank=0, checkpointing="none",
                                          loss="standard"), seed=seed).save_pretrained(folder)
     return folder
+
+
+def _remember(built, box: list):
+    box.append(built[1])
+    return built[0]
+
+
+@contextlib.contextmanager
+def _offload_context(model, plan: TrainingPlan):
+    """OffloadSavedTensors into a NumpyStore for --offload-activations cpu, else nothing."""
+    if plan.offload_activations == "none":
+        yield None
+        return
+    from memkit.train.backward_techniques import NumpyStore, OffloadSavedTensors
+
+    with OffloadSavedTensors(list(model.parameters()), store=NumpyStore()) as hooks:
+        yield hooks
 
 
 def count_params(model_config, plan: TrainingPlan) -> dict:
@@ -228,7 +259,8 @@ def count_params(model_config, plan: TrainingPlan) -> dict:
 def _optimizer_tensors(optimizer):
     import torch
 
-    for state in optimizer.state.values():
+    states = optimizer.state.values() if hasattr(optimizer, "state") else ()
+    for state in states:
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield value

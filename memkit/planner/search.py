@@ -37,6 +37,7 @@ from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
 from memkit.parallel import split_name
+from memkit.planner import backward
 from memkit.plan import TrainingPlan
 from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options,
                                   structures, tiers, with_micro)
@@ -292,6 +293,7 @@ def _risk(request: Request, cand: Candidate) -> tuple[int, int, int]:
     """(offloads, model split, tight headroom): what can go wrong beyond the predicted speed."""
     p = cand.plan
     offload = (p.offload_optimizer != "none") + (p.offload_params != "none")
+    offload += p.offload_activations != "none"  # pinned host RAM and PCIe traffic too
     headroom = request.hardware.gpu.memory_bytes - device_peak_bytes(cand.memory)
     return (offload, int(p.tp > 1 or p.pp > 1),
             int(headroom < HEADROOM_RISK_FRACTION * request.hardware.gpu.memory_bytes))
@@ -460,21 +462,25 @@ def _host_key(plan: TrainingPlan) -> tuple:
 
 
 def _cpu_offload_level(plan: TrainingPlan) -> int:
-    """0 none, 1 optimizer to CPU, 2 optimizer and params to CPU; -1 for NVMe (not ordered)."""
-    if "nvme" in (plan.offload_optimizer, plan.offload_params):
+    """0 none, 1 optimizer to CPU, 2 optimizer and params to CPU; -1 for NVMe (not ordered) and for
+    activation offload, whose host bytes follow the activations, not the offload level."""
+    if "nvme" in (plan.offload_optimizer, plan.offload_params) or plan.offload_activations != "none":
         return -1
     return (plan.offload_optimizer == "cpu") + (plan.offload_params == "cpu")
 
 
 def _lean_rank(plan: TrainingPlan) -> tuple:
     offload = (plan.offload_optimizer != "none") + (plan.offload_params != "none")
+    offload += plan.offload_activations != "none"
     return (offload, plan.checkpointing == "full", plan.loss != "standard", not plan.overlap_comm)
 
 
 def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
     entries = []
     for index, s in enumerate(structs):
-        micros = micro_batch_options(ev.request, s.dp, s.pp)
+        micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
+        if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
+            continue
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
         bound = min(times)
         if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
@@ -538,6 +544,7 @@ def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
         notes.append(f"checkpointing the first {k} of {blocks} blocks: the fewest that fit "
                      f"({k - 1} blocks: {ev.check(fewer).reason or 'fits'}); the rest keep "
                      "their activations, so only those recompute (Chen et al. 2016)")
+    notes += backward.notes(ev, plan, gib)  # activation offload, optimizer in backward
     return notes
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memkit.errors import MemkitError
+from memkit.planner import backward
 from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              validate_parallel)
 from memkit.plan import MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
@@ -67,6 +68,10 @@ class Request:
     loss: str | None = None
     """None: the planner tries the standard loss and the chunked one (memkit/techniques.py)."""
     attention: str = "sdpa"
+    offload_activations: str | None = None
+    """None: the planner tries none and cpu where offloading is allowed (planner/backward.py)."""
+    optimizer_in_backward: bool = False
+    """True: search only plain-PyTorch one-GPU plans that step in backward (planner/backward.py)."""
     max_micro_batch: int | None = None
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
@@ -136,6 +141,9 @@ class Request:
         if self.lora_rank and not set(self.lora_targets) & set(model.linear_names()):
             raise MemkitError(f"--lora-targets {','.join(self.lora_targets)} match no linear of {model.name}; "
                               f"its linears: {', '.join(model.linear_names())}")
+        backward_error = backward.request_error(self)
+        if backward_error:
+            raise MemkitError(backward_error)
         num_gpus = self.hardware.num_gpus
         if self.split not in SPLIT_MODES:
             raise MemkitError(f"split mode {self.split!r} is not one of {', '.join(SPLIT_MODES)}")
@@ -377,14 +385,14 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
                                 overlap_comm=overlap, **buckets, **quantized)
-                            plan = split_plan(plan)
-                            try:
-                                plan.validate()
-                                if tp * pp > 1:
-                                    validate_parallel(request.model, plan, request.hardware)
-                            except MemkitError:
-                                continue
-                            out.append(plan)
+                            for plan in backward.variants(request, split_plan(plan)):
+                                try:
+                                    plan.validate()
+                                    if tp * pp > 1:
+                                        validate_parallel(request.model, plan, request.hardware)
+                                except MemkitError:
+                                    continue
+                                out.append(plan)
     return out
 
 
@@ -426,6 +434,10 @@ def describe(plan: TrainingPlan) -> str:
         parts.append(f"ckpt {plan.checkpointing} blocks")
     if plan.loss != "standard":
         parts.append(f"{plan.loss} loss")
+    if plan.offload_activations != "none":
+        parts.append(f"acts->{plan.offload_activations}")
+    if plan.optimizer_in_backward:
+        parts.append("torch opt-in-backward")
     if plan.tp > 1:
         parts.append(f"tp{plan.tp}")
     if plan.pp > 1:

@@ -14,6 +14,7 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "m
               "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping",
               "quantize_base", "double_quant")
 """Plan knobs the runner also takes as flags (runs without a plan.json)."""
+PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "none")
@@ -55,6 +56,8 @@ class RunConfig:
     """Testing aid: after this step rank 0 sends SIGTERM to the launcher (its parent process), which
     forwards it to every rank, as a scheduler's preemption does."""
     debug_crash_in_save_at_step: int | None = None
+    debug_offload_copy_on_cpu: bool = False
+    """Tests: --offload-activations copies saved tensors even on CPU (train/backward_techniques.py)."""
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
     debug_oom_at_step: int | None = None
     """Testing aid (env MEMKIT_DEBUG_OOM_AT_STEP): rank 0 raises torch.OutOfMemoryError at this step."""

@@ -25,6 +25,7 @@ Checkpoints, resume and the final model folder of split runs: memkit.train.split
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -47,6 +48,7 @@ from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 from memkit.train import split_checkpoint
 from memkit.train.chunked_loss import find_head
+from memkit.train.backward_techniques import activation_context
 from memkit.train.techniques import micro_loss_sum
 
 EXIT_OOM = 3
@@ -435,7 +437,9 @@ def _steps(st: _Run) -> None:
             else:
                 local_loss, grad_norm = _accumulate_window(
                     accelerator, st.model, st.optimizer, data, micro_batches,
-                    device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds)
+                    device=device, scale=scale, clip=plan.gradient_clipping, is_ds=is_ds,
+                    forward_context=lambda: activation_context(
+                        st.model, plan, copy_on_cpu=run.debug_offload_copy_on_cpu))
                 if st.layout.tp_rank:  # the ranks of a TP group saw one batch: count it once
                     local_loss = local_loss * 0
             if is_ds:
@@ -640,7 +644,7 @@ def _base_model_path(run: RunConfig) -> str | None:
 
 
 def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_batches, *, device,
-                       scale: float, clip: float, is_ds: bool):
+                       scale: float, clip: float, is_ds: bool, forward_context=contextlib.nullcontext):
     """Forward/backward over one rank's micro-batches of an optimizer step; the optimizer steps at
     the last one (DeepSpeed: inside accelerator.backward). Returns (this rank's loss sum, grad norm)."""
     local_loss = torch.zeros((), dtype=torch.float64)
@@ -649,7 +653,8 @@ def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_ba
         batch = {k: v.to(device) for k, v in data.batch(micro).items()}
         with accelerator.accumulate(model):
             # The plan's loss: HF logits + causal_lm_loss_sum, or the chunked head (train/techniques.py).
-            loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
+            with forward_context():  # --offload-activations (train/backward_techniques.py)
+                loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
             accelerator.backward(loss_sum * scale)
             if not is_ds:
                 if accelerator.sync_gradients and clip > 0:
@@ -716,6 +721,12 @@ def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_
         from accelerate.utils import DummyOptim
 
         optimizer = DummyOptim(params, lr=run.lr)
+    elif plan.optimizer_in_backward:  # one optimizer per parameter, stepped in its gradient hook
+        from memkit.train.backward_techniques import OptimizerInBackward
+
+        optimizer = OptimizerInBackward(params, lambda ps: build_optimizer(ps, plan, run, cpu_offload=False))
+        accelerator.register_for_checkpointing(optimizer)  # saved and restored with the run's state
+        return accelerator.prepare(model), optimizer, num_params, num_trainable
     else:
         optimizer = build_optimizer(params, plan, run, cpu_offload=cpu_offload)
         if cpu_offload:

@@ -23,6 +23,7 @@ from typing import Any
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
 from memkit.quantize import QUANTIZE_BASES
+from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import RunConfig
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g.add_argument("--quantize-base", choices=QUANTIZE_BASES,
                    help="nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)")
     g.add_argument("--no-double-quant", action="store_true", help="with a 4-bit base: fp32 block scales")
+    add_backward_args(g, for_search=True)  # None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
     o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
@@ -94,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     d.add_argument("--eval-every", type=int, default=0, help="eval loss every N steps (default: at the end)")
     c.add_argument("--debug-signal-at-step", type=int, help=argparse.SUPPRESS)
     c.add_argument("--debug-crash-in-save-at-step", type=int, help=argparse.SUPPRESS)
+    c.add_argument("--debug-offload-copy-on-cpu", action="store_true", help=argparse.SUPPRESS)
 
 
 def plan_flags(args: argparse.Namespace) -> dict:
@@ -105,7 +108,13 @@ def plan_flags(args: argparse.Namespace) -> dict:
             "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
             "lora_targets": tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
             "gradient_clipping": args.gradient_clipping,
-            "quantize_base": args.quantize_base, "double_quant": False if args.no_double_quant else None}
+            "quantize_base": args.quantize_base, "double_quant": False if args.no_double_quant else None,
+            **backward_flags(args)}
+
+
+def backward_flags(args: argparse.Namespace) -> dict:
+    """--offload-activations, --optimizer-in-backward (memkit/backward_techniques.py)."""
+    return {"offload_activations": args.offload_activations, "optimizer_in_backward": args.optimizer_in_backward}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +196,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
         report_json=Path(args.report_json) if args.report_json else None,
         debug_signal_at_step=args.debug_signal_at_step,
         debug_crash_in_save_at_step=args.debug_crash_in_save_at_step,
+        debug_offload_copy_on_cpu=args.debug_offload_copy_on_cpu,
         debug_oom_at_step=_env_int("MEMKIT_DEBUG_OOM_AT_STEP")).validate()
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len

@@ -1,0 +1,91 @@
+"""The runner with activation offload and the optimizer in backward (memkit/backward_techniques.py).
+
+- One process, plain PyTorch, fp32 AdamW, 3 steps from plan.json: --optimizer-in-backward and
+  --offload-activations cpu (copies forced on CPU, so pack and unpack really run) give the plain
+  run's losses and final parameters (measured: identical; asserted 1e-6 relative).
+- 2 CPU processes under DeepSpeed ZeRO-3 with full checkpointing, SGD: activation offload with
+  copies gives the plain run's losses and parameters (ZeRO-3's gathered weights are Parameters,
+  which the hook keeps as they are); measured equal, asserted 2e-6 like test_runner_techniques.py.
+- --optimizer-in-backward on 2 processes is refused in one line, exit 2.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from runner_util import (FINETUNE, REPO, TEXT_DATA, env, events, final_params, launch, plan_document,
+                         read_log, write_bundle, write_tiny_llama)
+
+from memkit.plan import TrainingPlan
+
+pytestmark = pytest.mark.e2e
+COMMON = ["--data", str(TEXT_DATA), "--max-steps", "3", "--lr", "1e-3", "--lr-decay", "constant",
+          "--no-progress", "--report-to", "none"]
+
+
+def _single(tmp_path, tiny, name, plan, extra=()):
+    plan_path = tmp_path / f"plan-{name}.json"
+    plan_path.write_text(json.dumps(plan_document(plan, num_gpus_per_node=1, num_nodes=1)))
+    out = tmp_path / f"run-{name}"
+    cmd = [sys.executable, str(FINETUNE), "--plan", str(plan_path), "--model", str(tiny), "--output-dir", str(out),
+           *COMMON, *extra]
+    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = read_log(out)
+    start = events(log, "start")[-1]["plan"]
+    assert (start["optimizer_in_backward"], start["offload_activations"]) == (
+        plan.optimizer_in_backward, plan.offload_activations)
+    return [s["loss"] for s in events(log, "step")], final_params(out / "final")
+
+
+def _same(a, b, rel):
+    (la, pa), (lb, pb) = a, b
+    assert lb == pytest.approx(la, rel=rel)
+    assert sorted(pa) == sorted(pb)
+    for k in pa:
+        assert float((pa[k] - pb[k]).abs().max()) <= rel * max(1e-12, float(pa[k].abs().max())), k
+
+
+def test_single_process_optimizer_in_backward_and_offload_equal_the_plain_run(tmp_path):
+    tiny = tmp_path / "tiny"
+    write_tiny_llama(tiny)
+    base = TrainingPlan(engine="torch", precision="fp32", optimizer="adamw", micro_batch_size=2, seq_len=64,
+                        gradient_clipping=0.0)
+    plain = _single(tmp_path, tiny, "plain", base)
+    _same(plain, _single(tmp_path, tiny, "inbwd", base.with_(optimizer_in_backward=True)), 1e-6)
+    _same(plain, _single(tmp_path, tiny, "offload", base.with_(offload_activations="cpu"),
+                         extra=["--debug-offload-copy-on-cpu"]), 1e-6)
+    assert plain[0][-1] < plain[0][0]
+
+
+def test_zero3_offload_equals_the_plain_run(tmp_path):
+    tiny = tmp_path / "tiny"
+    write_tiny_llama(tiny)
+    runs = {}
+    for name, knobs in (("plain", {}), ("offload", {"offload_activations": "cpu"})):
+        plan = TrainingPlan(precision="fp32", zero_stage=3, optimizer="sgd", micro_batch_size=2, grad_accum=2,
+                            seq_len=64, dp=2, gradient_clipping=0.0, checkpointing="full",
+                            reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000,
+                            stage3_prefetch_bucket_size=1_000_000, stage3_param_persistence_threshold=1_000, **knobs)
+        config, plan_path = write_bundle(tmp_path / f"bundle-{name}", plan)
+        out = tmp_path / f"run-{name}"
+        result = launch(config, ["--plan", str(plan_path), "--model", str(tiny), "--output-dir", str(out),
+                                 "--debug-offload-copy-on-cpu", *COMMON[:-3]])
+        assert result.returncode == 0, result.stdout[-4000:]
+        log = read_log(out)
+        runs[name] = ([s["loss"] for s in events(log, "step")], final_params(out / "final"))
+    _same(runs["plain"], runs["offload"], 2e-6)
+
+
+def test_optimizer_in_backward_refused_on_two_processes(tmp_path):
+    tiny = tmp_path / "tiny"
+    write_tiny_llama(tiny)
+    plan = TrainingPlan(precision="fp32", zero_stage=2, optimizer="sgd", micro_batch_size=2, seq_len=64, dp=2)
+    config, _ = write_bundle(tmp_path / "bundle", plan)
+    result = launch(config, ["--model", str(tiny), "--output-dir", str(tmp_path / "run"), "--seq-len", "64",
+                             "--optimizer-in-backward", *COMMON])
+    assert result.returncode != 0
+    assert "finetune: error: --optimizer-in-backward with engine deepspeed ZeRO-2" in result.stdout
+    assert "MemkitError" not in result.stdout  # each rank says one line; the launcher's own report follows
