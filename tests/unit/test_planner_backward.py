@@ -43,7 +43,9 @@ def test_long_context_fits_its_upper_bound_only_with_activation_offload():
 
 
 def test_optimizer_in_backward_fits_bf16_adamw_without_offload():
-    request = _request("llama-3.2-3b", "a100-80gb", 1, 1, 8192, allow_offload=False)
+    # 32k tokens: at 8k, bf16 AdamW with partial checkpointing fits its upper bound since the
+    # bounds are pooled by the measured figure (issue #9), so the premise needs a longer sequence.
+    request = _request("llama-3.2-3b", "a100-80gb", 1, 1, 32768, allow_offload=False)
     plain = search(request).chosen
     assert plain.plan.precision == "fp32"
     inbwd = search(replace(request, optimizer_in_backward=True))
