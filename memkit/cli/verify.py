@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memkit.cli.launching import (accelerate_config_for, child_env, launch_command, quote,
+from memkit.cli.launching import (accelerate_config_for, child_env, deepspeed_file, launch_command,
+                                  launchable_config, quote,
                                   read_accelerate_config)
 from memkit.errors import MemkitError
 from memkit.units import format_bytes
@@ -56,15 +57,17 @@ def run(args: argparse.Namespace) -> int:
     finetune_args = ["--plan", args.plan, "--data", args.data, "--output-dir", str(out_dir),
                      "--max-steps", str(args.steps), "--no-save-final", "--no-progress",
                      "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0",
-                     "--overwrite"]  # a scratch run: a repeated verify replaces the last one
+                     "--overwrite",  # a scratch run: a repeated verify replaces the last one
+                     "--init", "random"]  # memory and speed do not depend on the weights' values
     if args.model:
         finetune_args += ["--model", args.model]
-    cmd = launch_command(config_file, finetune_args)
     log_path = out_dir / "launch.log"
     if not args.json:
         print(f"memkit verify: {args.steps} steps of {args.plan} under {config_file} (log: {log_path})",
               file=sys.stderr)
-    status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
+    with launchable_config(config_file) as launched:  # a preset's repository-relative paths, resolved
+        cmd = launch_command(launched, finetune_args)
+        status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
     if status == "signal":
         print(f"memkit verify: stopped by a signal; the launcher and every rank are stopped (log: {log_path})",
               file=sys.stderr)
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         report = {"status": status if status != "ok" else "failed", "returncode": returncode,
                   "error": _tail(log_path)}
-    report["command"] = quote(cmd)
+    report["command"] = quote(launch_command(config_file, finetune_args))
     report["log"] = str(log_path)
     if report["status"] == "oom":
         report["next_plan"] = next_ranked_plan(doc)
@@ -110,12 +113,9 @@ def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
     ds_file = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not ds_file:
         return
-    path = Path(ds_file)
-    if not path.is_absolute() and not path.is_file():
-        path = config_file.parent / path.name
     try:
-        ds_config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        ds_config = json.loads(deepspeed_file(acc, config_file).read_text())
+    except (OSError, json.JSONDecodeError, MemkitError):
         return  # the runner reports a missing or broken DeepSpeed file itself
     import contextlib
 

@@ -677,7 +677,8 @@ def _pipeline_and_optimizer(plan: TrainingPlan, run: RunConfig, layout, model_so
     optimizer over the stage's parameters. Returns (pipe, optimizer, num_params, num_trainable)."""
     from memkit.train.model import apply_plan, build_model, count_params
 
-    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed,
+                        pretrained=run.init == "pretrained")
     if plan.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     model = apply_plan(model, plan)
@@ -694,7 +695,8 @@ def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_
     from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
 
     is_ds = ds_config is not None
-    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed,
+                        pretrained=run.init == "pretrained")
     if has_batchnorm(model):
         warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
                       "statistics (each micro-batch is normalised alone), so micro x accum is not "
