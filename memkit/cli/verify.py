@@ -208,14 +208,10 @@ def record_in_profile(report: dict, doc: dict, plan, model_arg: str | None) -> i
     if torch.cuda.is_available():
         device, predicted = hw_doc.get("gpu", "unknown"), doc.get("estimate") or {}
     else:
-        from memkit.estimate.memory import estimate_memory
-        from memkit.spec.hardware import Hardware, find_gpu
-        from memkit.spec.hf import load_model_spec
+        from memkit.spec.resolve import resolve_model
+        from memkit.train.report import cpu_priced
 
-        hardware = Hardware(gpu=find_gpu(hw_doc.get("gpu", "a100-80gb")),
-                            num_gpus_per_node=int(hw_doc.get("num_gpus_per_node", plan.num_gpus)),
-                            num_nodes=int(hw_doc.get("num_nodes", 1)))
-        est = estimate_memory(load_model_spec(model_arg or doc["model"]), plan, hardware, device="cpu")
-        device, predicted = "cpu", est.to_dict()
+        config_path = resolve_model(model_arg or doc["model"]).config_path
+        device, predicted = "cpu", cpu_priced(doc, plan, config_path)["estimate"]
         measured = {"allocated_peak_bytes": measured.get("allocated_peak_bytes")}
     return profile.record_run(device=device, stack=installed(), plan=plan, predicted=predicted, measured=measured)

@@ -254,6 +254,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
         base.update({f"offloaded_{name}": value for name, value in st.host.items()})
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
+    in_reduction = {prefix + name: value for name, value in st.reduction_buffers.items()}
     # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
     grads_outside_backward = grads_end if not st.backward_buffers else 0
     fwd_grads = grads_end if accum_full else (0 if st.gradients_grow else grads_outside_backward)
@@ -285,7 +286,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             current = per_layer + autocast_copy + blk.input_bytes
         else:
             current = full_block
-        moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
+        moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing,
                         "zero3_gathered_params": gather})

@@ -373,6 +373,10 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
         board = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
     if main:
         _say_start(run, plan, world, data, resumed_from=resumed_from, start_step=start_step)
+    if meter.kind == "live-tensors" and plan_doc and plan_doc.get("hardware"):
+        from memkit.train.report import cpu_priced
+
+        plan_doc = cpu_priced(plan_doc, plan, model_source.config_path)  # what a live-tensor peak is compared with
     return _Run(run=run, plan=plan, plan_doc=plan_doc, data=data, tokenizer=tokenizer, accelerator=accelerator,
                 ds_config=ds_config, layout=layout, model=model, optimizer=optimizer,
                 engine=model if is_ds else None, pipe=pipe, meter=meter, sharding=sharding, manager=manager,
