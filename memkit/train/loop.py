@@ -533,8 +533,10 @@ def _evaluate(st: _Run) -> float | None:
     each; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each
     one), a rank past the end re-reads sequence 0 with every label masked."""
     evaluation = st.data.eval
-    if evaluation is None or st.pipe is not None:
+    if evaluation is None:
         return None
+    if st.pipe is not None:
+        return _record_eval(st, *_evaluate_pipeline(st))
     micro, dp = st.plan.micro_batch_size, st.plan.dp
     device = st.accelerator.device
     totals = torch.zeros(2, dtype=torch.float64)
@@ -556,9 +558,32 @@ def _evaluate(st: _Run) -> float | None:
         totals = totals.to(device)
         torch.distributed.all_reduce(totals)
         totals = totals.cpu()
-    loss = float(totals[0] / max(1.0, float(totals[1])))
+    return _record_eval(st, float(totals[0]), int(totals[1]))
+
+
+def _evaluate_pipeline(st: _Run) -> tuple[float, int]:
+    """(loss sum, target tokens) of the eval set through the pipeline: rounds of micro x accum
+    sequences per dp shard (the schedule's micro-batch count is fixed), a shard past the end
+    re-reads sequence 0 with every label masked; every rank runs every round."""
+    evaluation = st.data.eval
+    local = st.plan.micro_batch_size * st.plan.grad_accum
+    loss_sum, tokens = 0.0, 0
+    for start in range(0, evaluation.num_sequences, local * st.plan.dp):
+        positions = start + st.layout.dp_rank * local + np.arange(local)
+        valid = torch.as_tensor(positions < evaluation.num_sequences)
+        batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
+        labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
+        round_sum, round_tokens = st.pipe.eval_sums(batch["input_ids"], labels)
+        loss_sum, tokens = loss_sum + round_sum, tokens + round_tokens
+    return loss_sum, tokens
+
+
+def _record_eval(st: _Run, loss_sum: float, num_tokens: int) -> float:
+    """Log one eval loss (mean over the eval set's target tokens) to log.jsonl and TensorBoard."""
+    evaluation = st.data.eval
+    loss = loss_sum / max(1, num_tokens)
     st.eval_losses[st.step] = loss
-    st.log.write({"event": "eval", "step": st.step, "eval_loss": loss, "eval_tokens": int(totals[1]),
+    st.log.write({"event": "eval", "step": st.step, "eval_loss": loss, "eval_tokens": num_tokens,
                   "eval_sequences": evaluation.num_sequences})
     if st.board is not None:
         st.board.add_scalar("eval/loss", loss, global_step=st.step)
