@@ -55,5 +55,7 @@ def test_pipeline_run_logs_the_eval_loss_of_its_model(tmp_path):
     assert [e["step"] for e in evals] == [2, 4]
     expected, tokens = _eval_loss_of(out / "final", seq_len=32, eval_fraction=0.25)
     assert evals[-1]["eval_tokens"] == tokens
+    print(f"pp2 eval loss {evals[-1]['eval_loss']:.8f} vs the final model in one process {expected:.8f} "
+          f"({tokens} tokens)")
     assert evals[-1]["eval_loss"] == pytest.approx(expected, abs=EVAL_ATOL)
     assert evals[0]["eval_loss"] != evals[-1]["eval_loss"]  # the model between the two evals trained
