@@ -346,7 +346,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     flops_per_token = train_flops_per_token(
         num_params=num_params, num_trainable_params=num_trainable,
         num_layers=getattr(model_config, "num_hidden_layers", 0) or 0,
-        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
+        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len,
+        embedding_params=min(_lookup_params(model_source), num_params))
     peak_tflops = gpu_peak_tflops(device, plan.precision)
     evaluation = data.eval
     start_record = {
@@ -383,6 +384,20 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
                 log=log, board=board, start_record=start_record, flops_per_token=flops_per_token,
                 peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step,
                 model_config=model_config)
+
+
+def _lookup_params(model_source) -> int:
+    """Parameters no matmul uses (the embedding lookups; a tied LM head still multiplies; inactive
+    experts of an MoE): the same N the predicted MFU counts (estimate/throughput.py matmul_params on
+    the model's ModelSpec), so measured and predicted MFU compare like with like."""
+    from memkit.estimate.throughput import matmul_params
+    from memkit.spec.hf import load_model_spec
+
+    try:
+        spec = load_model_spec(str(model_source.config_path))
+    except MemkitError:  # a config memkit cannot price: count every parameter (the PaLM N as measured)
+        return 0
+    return max(0, spec.num_params - matmul_params(spec))
 
 
 def _say_start(run: RunConfig, plan: TrainingPlan, world: int, data: PackedData, *, resumed_from, start_step) -> None:
