@@ -2,7 +2,9 @@
 
 - a preset launched from outside the repository: `memkit preset NAME --out DIR`, then the "Run it"
   command it prints, unchanged but for --max-steps, with the preset's hub id in the local HF cache;
-- the command in a `suggest --out` bundle's README, run from a different working directory.
+- the command in a `suggest --out` bundle's README, run from a different working directory, on a
+  ZeRO-3 plan: the saved weights are loaded under deepspeed.zero.Init (step 1's loss is the saved
+  model's loss on step 1's batch).
 
 One process each (the plans are 1-GPU plans): cheap."""
 from __future__ import annotations
@@ -95,7 +97,8 @@ def test_suggest_readme_command_runs_from_another_directory(tmp_path):
     user.mkdir()
     _save(planner / "tiny", tiny)
     made = subprocess.run([sys.executable, "-m", "memkit.cli.main", "suggest", "--model", "tiny",
-                           "--gpu-memory", "1GiB", "--global-batch-size", "2", "--seq-len", "64", "--zero", "2",
+                           "--gpu-memory", "1GiB", "--global-batch-size", "2", "--seq-len", "64", "--zero", "3",
+                           "--precision", "fp32",
                            "--out", "bundle"], cwd=planner, env=env(), capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     readme = (planner / "bundle" / "README.md").read_text()
@@ -107,4 +110,27 @@ def test_suggest_readme_command_runs_from_another_directory(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert f"finetune: weights: pretrained weights from {planner / 'tiny'}" in run.stderr
     log = read_log(planner / "bundle" / "run")
-    assert events(log, "start")[0]["plan"]["zero_stage"] == 2 and len(events(log, "step")) == 2
+    start = events(log, "start")[0]
+    assert start["plan"]["zero_stage"] == 3 and len(events(log, "step")) == 2
+    micro, accum = start["plan"]["micro_batch_size"], start["plan"]["grad_accum"]
+    expected = _loss_of_step_1(planner / "tiny", user / "train.jsonl", seq_len=64, micro=micro, accum=accum)
+    assert events(log, "step")[0]["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def _loss_of_step_1(model_dir: Path, data_path: Path, *, seq_len: int, micro: int, accum: int) -> float:
+    """The saved model's mean next-token loss on the runner's first global batch (same seed, data order)."""
+    from transformers import AutoModelForCausalLM
+
+    from memkit.train.data import Sharding, prepare_data
+    from memkit.train.loop import causal_lm_loss_sum
+    from memkit.train.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    vocab = model.config.vocab_size
+    data = prepare_data(str(data_path), load_tokenizer(model_dir, vocab_size=vocab), seq_len=seq_len,
+                        max_positions=model.config.max_position_embeddings, vocab_size=vocab, seed=0)
+    window = Sharding(num_sequences=data.num_sequences, micro_batch_size=micro, grad_accum=accum, dp=1).step_indices(0)
+    batch = data.batch(window.reshape(-1))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return float(causal_lm_loss_sum(logits, batch["labels"])) / int(data.loss_tokens[window.reshape(-1)].sum())
