@@ -140,8 +140,16 @@ DS_BASE = TrainingPlan(engine="deepspeed", precision="bf16", attention="sdpa", m
                        stage3_max_reuse_distance=1_000_000, stage3_param_persistence_threshold=10_000)
 
 
-def _ds(row_id: str, **changes) -> dict:
-    return {"id": row_id, "kind": "deepspeed", "arch": "llama-gqa", "plan": DS_BASE.with_(**changes), "extra": {}}
+def _ds(row_id: str, arch: str = "llama-gqa", **changes) -> dict:
+    return {"id": row_id, "kind": "deepspeed", "arch": arch, "plan": DS_BASE.with_(**changes), "extra": {}}
+
+
+# The tiny Llama of the runner's tests (tests/e2e/runner_util.py TINY_LLAMA), for the plan `memkit suggest`
+# chose for it in issue #15 (--gpu-memory 1GiB --num-gpus 2 --global-batch-size 8 --seq-len 128: ZeRO-1 bf16,
+# micro 4, overlap_comm on, 1,000,000-element buckets), where the runner measured 1.22-1.27x the estimate.
+ARCHS["llama-tiny"] = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+                       "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
 DEEPSPEED_ROWS = [
@@ -159,6 +167,9 @@ DEEPSPEED_ROWS = [
     _ds("ds-z1-bf16-accum2", zero_stage=1, grad_accum=2),
     _ds("ds-z2-bf16-accum2", zero_stage=2, grad_accum=2),
     _ds("ds-z2-bf16-overlap", zero_stage=2, overlap_comm=True),
+    _ds("ds-z1-bf16-overlap", zero_stage=1, overlap_comm=True),
+    _ds("ds-z1-bf16-overlap-tiny-suggested", "llama-tiny", zero_stage=1, overlap_comm=True, micro_batch_size=4,
+        seq_len=128, reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000),
     _ds("ds-z2-bf16-ckpt-accum2", zero_stage=2, checkpointing="full", grad_accum=2),
     _ds("ds-z3-bf16-ckpt", zero_stage=3, checkpointing="full"),
 ]

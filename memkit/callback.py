@@ -17,6 +17,13 @@ What "measured peak" is (the record's `memory_kind` says which):
                   (getrusage ru_maxrss; never decreases, includes Python and libraries).
 Tokens per step: state.num_input_tokens_seen when TrainingArguments(include_num_input_tokens_seen=
 ...) counts them, else per-device batch x accumulation x processes x `seq_len` (padded tokens).
+
+The local calibration profile (memkit/profile.py): at train end the measured peaks are appended
+to it, as `memkit verify` does, where the profile exists (profile=None) or always (profile=True),
+so that a later `memkit estimate` on this device and stack takes its margin from them. That needs
+the plan (plan=, or plan_json's) and, on CUDA, the catalog GPU name (gpu=, or plan_json's). A
+CPU run calibrates CPU estimates, so its prediction must be priced for the CPU
+(memkit.estimate(..., device="cpu")); the record's "profile" says what was written or why not.
 """
 from __future__ import annotations
 
@@ -33,15 +40,22 @@ class MemkitCallback(TrainerCallback):
     """Record measured peak memory and tokens/s per optimizer step next to a prediction."""
 
     def __init__(self, path: str | Path = "memkit_record.json", *, prediction=None, plan_json: str | Path | None = None,
-                 seq_len: int | None = None, cpu_memory: str = "live-tensors") -> None:
+                 seq_len: int | None = None, cpu_memory: str = "live-tensors", plan=None, gpu: str | None = None,
+                 profile: bool | None = None) -> None:
         """prediction: a MemoryEstimate (memkit.estimate) or a dict of figures
         ({'allocated_peak_bytes': ..., 'tokens_per_s': ...}); plan_json: a plan.json written by
         `memkit suggest --out` (its estimate and step_time). seq_len: tokens per sequence, for the
-        token count when the Trainer does not count input tokens."""
+        token count when the Trainer does not count input tokens. plan: the TrainingPlan the
+        prediction is for (plan_json gives its own); gpu: the catalog GPU name this runs on (for the
+        profile's key on CUDA). profile: None = add the run to the local calibration profile when
+        that file exists; True = always (creating it); False = never."""
         if cpu_memory not in CPU_MEMORY:
             raise ValueError(f"cpu_memory={cpu_memory!r}: use one of {CPU_MEMORY}")
         self.path = Path(path)
         self.predicted = _predicted(prediction, plan_json)
+        self._estimate, self._plan, self._gpu = _profile_inputs(prediction, plan_json, plan, gpu)
+        self._from_plan_json = plan_json is not None
+        self.profile = profile
         self.seq_len = seq_len
         self.cpu_memory = cpu_memory
         self.steps: list[dict] = []
@@ -97,6 +111,7 @@ class MemkitCallback(TrainerCallback):
             self._tracker = None
         self.record = self._build_record(args)
         if args.process_index == 0:
+            self.record["profile"] = self._feed_profile(self.record["measured"])
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.record, indent=1, sort_keys=True))
 
@@ -136,6 +151,45 @@ class MemkitCallback(TrainerCallback):
                 "steps": self.steps, "world_size": args.world_size,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps}
+
+
+    def _feed_profile(self, measured: dict) -> dict:
+        """Append this run to the local calibration profile (memkit/profile.py), as memkit verify does;
+        returns what was done (the record's "profile")."""
+        from memkit import profile as local_profile
+
+        path = local_profile.profile_path()
+        if self.profile is False or (self.profile is None and not path.is_file()):
+            return {"skipped": f"no local profile at {path} (profile=True creates it)"}
+        if self._plan is None or not self._estimate.get("allocated_peak_bytes"):
+            return {"skipped": "no plan and prediction to compare with (pass plan= and prediction=, or plan_json=)"}
+        if self._kind == "rss":
+            return {"skipped": "peak RSS is not a figure the estimate predicts (cpu_memory='live-tensors' is)"}
+        if self._kind == "live-tensors" and self._from_plan_json:
+            return {"skipped": "plan.json's prediction is for a GPU; a CPU run calibrates CPU estimates "
+                               "(prediction=memkit.estimate(..., device='cpu'))"}
+        device = "cpu" if self._kind == "live-tensors" else self._gpu
+        if not device:
+            return {"skipped": "the catalog GPU this runs on is unknown (pass gpu='a100-80gb', see `memkit gpus`)"}
+        from memkit.spec.stack import installed
+
+        figures = {k: measured.get(k) for k in ("allocated_peak_bytes", "reserved_peak_bytes")}
+        runs = local_profile.record_run(device=device, stack=installed(), plan=self._plan, predicted=self._estimate,
+                                        measured=figures, path=path)
+        return {"path": str(path), "device": device, "runs": runs}
+
+
+def _profile_inputs(prediction, plan_json, plan, gpu) -> tuple[dict, object, str | None]:
+    """(the estimate's dict, the TrainingPlan, the GPU name) the profile record needs."""
+    if plan_json is not None:
+        from memkit.emit import plan_doc
+
+        doc = plan_doc.read(plan_json, flag="plan_json")
+        return dict(doc.data.get("estimate") or {}), plan or doc.plan, gpu or (doc.data.get("hardware") or {}).get("gpu")
+    if prediction is None:
+        return {}, plan, gpu
+    figures = prediction.to_dict() if hasattr(prediction, "to_dict") else dict(prediction)
+    return figures, plan, gpu
 
 
 def _predicted(prediction, plan_json) -> dict:

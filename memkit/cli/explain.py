@@ -27,7 +27,8 @@ def read_document(path_text: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     doc = read_document(args.plan_json)
-    out_dir = str(Path(args.plan_json).parent) if not Path(args.plan_json).is_dir() else args.plan_json
+    folder = Path(args.plan_json) if Path(args.plan_json).is_dir() else Path(args.plan_json).parent
+    out_dir = str(folder.resolve())  # the printed command runs from any directory
     check = _recheck(doc) if args.check else None
     if args.json:
         out = dict(doc)
@@ -175,7 +176,8 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     if out_dir:
         from memkit.emit.bundle import launch_command
 
-        lines += ["", "Run it:", "  " + launch_command(doc, out_dir=out_dir.rstrip("/"))]
+        lines += ["", "Run it (--model: the weights to fine-tune; a smoke test on fresh weights: --init random "
+                  "--data synthetic --max-steps 20):", "  " + launch_command(doc, out_dir=out_dir.rstrip("/"))]
     return "\n".join(lines)
 
 

@@ -5,6 +5,12 @@ $SLURM_NODEID and rendezvous at the first node of the allocation.
 --hostfile FILE: a bash script for hosts reached over ssh (one host per line, optional
 `slots=N` as in DeepSpeed hostfiles); host i gets machine rank i, host 0 is the rendezvous.
 Run `bash run.sh` to start every node, or `MACHINE_RANK=i bash run.sh --node` on node i.
+Ctrl-C or SIGTERM to `bash run.sh` reaches every node: each node writes its launcher's pid to
+/tmp/memkit-RUN.rankI.pid and the script's trap signals those pids over ssh (a dropped ssh
+client alone leaves a remote process running: without a tty no SIGHUP reaches it).
+
+The nodes run this interpreter by its absolute path (sys.executable; --python to change it):
+non-interactive ssh does not activate the virtual environment that `python` would need.
 
 Every node runs torchrun through Accelerate's standard multi-node DeepSpeed launcher
 (`--deepspeed_multinode_launcher standard`, static rendezvous), so no pdsh is needed. Split
@@ -18,9 +24,10 @@ import argparse
 import os
 import shlex
 import stat
+import sys
 from pathlib import Path
 
-from memkit.cli.launching import accelerate_config_for, read_accelerate_config
+from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
 from memkit.errors import MemkitError
 
 HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
@@ -40,7 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on node 0")
     p.add_argument("--num-machines", type=int, help="nodes (default: the plan's hardware)")
     p.add_argument("--gpus-per-node", type=int, help="processes per node (default: the plan's hardware)")
-    p.add_argument("--python", default="python", help="python on the nodes (default: python)")
+    p.add_argument("--python", default=sys.executable,
+                   help=f"python on the nodes (default: this interpreter, {sys.executable}; the same path must "
+                        "exist on every node)")
+    p.add_argument("--cpus-per-node", type=int,
+                   help="--slurm: CPUs for each node's launcher and its ranks (default: all of the node's, "
+                        "$SLURM_CPUS_ON_NODE of the exclusive allocation)")
     p.add_argument("finetune_args", nargs=argparse.REMAINDER,
                    help="after --: arguments for launch/finetune.py (--data, --output-dir, ...)")
 
@@ -77,10 +89,16 @@ def run(args: argparse.Namespace) -> int:
         finetune_args = finetune_args[1:]
     if "--plan" not in finetune_args:
         finetune_args = ["--plan", str(Path(args.plan).resolve()), *finetune_args]
+    if args.cpus_per_node is not None and (args.cpus_per_node < per_node or not args.slurm):
+        raise MemkitError(f"--cpus-per-node {args.cpus_per_node}: give it with --slurm, at least one CPU per "
+                          f"process ({per_node})")
     entry = finetune_entry()
+    ds_path = deepspeed_file(acc, Path(config_file))  # absolute: every node launches from its own cwd
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
-                port=args.port, python=args.python, entry=entry, finetune_args=finetune_args)
-    text = slurm_script(**body) if args.slurm else hostfile_script(hosts=hosts, **body)
+                port=args.port, python=args.python, entry=entry, finetune_args=finetune_args,
+                ds_config=str(ds_path) if ds_path is not None else None)
+    text = (slurm_script(**body, cpus_per_node=args.cpus_per_node) if args.slurm
+            else hostfile_script(hosts=hosts, **body))
     from memkit.fileio import temp_beside
 
     out = Path(args.out)
@@ -123,9 +141,12 @@ def read_hostfile(path: str) -> tuple[list[str], int | None]:
 
 
 def _launch_line(*, python: str, config: str, num_machines: int, per_node: int, rank: str, addr: str,
-                 port: str, entry: list[str], args_expr: str = '"${ARGS[@]}"') -> str:
-    """The per-node command (bash); rank/addr/port/args_expr are shell expressions."""
-    return (f"exec {shlex.quote(python)} -m accelerate.commands.launch --config_file {shlex.quote(config)} "
+                 port: str, entry: list[str], ds_config: str | None, args_expr: str = '"${ARGS[@]}"') -> str:
+    """The per-node command (bash); rank/addr/port/args_expr are shell expressions. The DeepSpeed
+    file is passed by its absolute path (accelerate launch's --deepspeed_config_file overrides
+    the YAML's, which may be relative to another directory)."""
+    ds = f"--deepspeed_config_file {shlex.quote(ds_config)} " if ds_config else ""
+    return (f"exec {shlex.quote(python)} -m accelerate.commands.launch --config_file {shlex.quote(config)} {ds}"
             f"--num_machines {num_machines} --num_processes {num_machines * per_node} "
             f"--machine_rank {rank} --main_process_ip {addr} --main_process_port {port} "
             "--deepspeed_multinode_launcher standard --rdzv_backend static --same_network "
@@ -137,15 +158,21 @@ def _args_array(finetune_args: list[str]) -> str:
 
 
 def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, python: str,
-                 entry: list[str], finetune_args: list[str]) -> str:
+                 entry: list[str], finetune_args: list[str], ds_config: str | None = None,
+                 cpus_per_node: int | None = None) -> str:
     inner = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
                          rank='"$SLURM_NODEID"', addr='"$MEMKIT_MASTER_ADDR"', port='"$MEMKIT_MASTER_PORT"',
-                         entry=entry, args_expr='"$@"')
+                         entry=entry, ds_config=ds_config, args_expr='"$@"')
+    # One task per node runs the launcher and all its ranks: without --cpus-per-task srun binds it to
+    # one CPU (Slurm's default is 1 CPU per task; srun does not inherit sbatch's --cpus-per-task since
+    # Slurm 22.05, sbatch/srun man pages), and every rank and data worker would share that CPU.
+    cpus = str(cpus_per_node) if cpus_per_node else '"$SLURM_CPUS_ON_NODE"'
     return "\n".join([
         "#!/bin/bash",
         "#SBATCH --job-name=memkit",
         f"#SBATCH --nodes={num_machines}",
         "#SBATCH --ntasks-per-node=1",
+        *([f"#SBATCH --cpus-per-task={cpus_per_node}"] if cpus_per_node else []),
         f"#SBATCH --gpus-per-node={per_node}",
         "#SBATCH --exclusive",
         "# SIGTERM reaches every launcher (srun forwards it); finetune checkpoints and exits.",
@@ -157,37 +184,53 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MEMKIT_MASTER_PORT={port}",
         _args_array(finetune_args),
-        f"srun --kill-on-bad-exit=1 --ntasks={num_machines} --ntasks-per-node=1 "
+        f"srun --kill-on-bad-exit=1 --ntasks={num_machines} --ntasks-per-node=1 --cpus-per-task={cpus} "
         f"bash -c {shlex.quote(inner)} memkit-node \"${{ARGS[@]}}\"",
         "",
     ])
 
 
 def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_node: int, port: int,
-                    python: str, entry: list[str], finetune_args: list[str]) -> str:
+                    python: str, entry: list[str], finetune_args: list[str], ds_config: str | None = None) -> str:
     node = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
-                        rank='"$MACHINE_RANK"', addr='"$MASTER_ADDR"', port='"$MASTER_PORT"', entry=entry)
+                        rank='"$MACHINE_RANK"', addr='"$MASTER_ADDR"', port='"$MASTER_PORT"', entry=entry,
+                        ds_config=ds_config)
     return "\n".join([
         "#!/bin/bash",
         "# Written by `memkit launch-script --hostfile`.",
         "#   bash run.sh                          start every host over ssh (host i = machine rank i)",
         "#   MACHINE_RANK=i bash run.sh --node     run machine rank i on this host",
+        "# Ctrl-C / SIGTERM: every host's launcher gets the signal (its ranks checkpoint and stop).",
         "set -euo pipefail",
         "HOSTS=(" + " ".join(shlex.quote(h) for h in hosts) + ")",
         f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',
         f'MASTER_PORT="${{MEMKIT_MASTER_PORT:-{port}}}"',
+        'RUN_ID="${MEMKIT_RUN_ID:-$(date +%s)-$$}"',
         f"WORKDIR={shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
         _args_array(finetune_args),
         'if [[ "${1:-}" == "--node" ]]; then',
         '  : "${MACHINE_RANK:?set MACHINE_RANK to the index of this host in HOSTS}"',
         '  cd "$WORKDIR"',
+        '  echo $$ > "/tmp/memkit-$RUN_ID.rank$MACHINE_RANK.pid"  # exec keeps the pid: the launcher\'s',
         f"  {node}",
         "fi",
         'SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"',
         "pids=()",
+        "stop_all() {  # $1: the signal; each host's launcher relays it to its ranks",
+        "  trap '' INT TERM",
+        '  echo "memkit: SIG$1: stopping the launcher on every host" >&2',
+        '  for i in "${!HOSTS[@]}"; do',
+        '    ssh -o BatchMode=yes "${HOSTS[$i]}" "f=/tmp/memkit-$RUN_ID.rank$i.pid; '
+        '[ -f \\$f ] && kill -$1 \\$(cat \\$f) 2>/dev/null; rm -f \\$f" || true',
+        "  done",
+        '  for pid in "${pids[@]}"; do wait "$pid" || true; done',
+        '  [[ "$1" == INT ]] && exit 130 || exit 143',
+        "}",
+        "trap 'stop_all INT' INT",
+        "trap 'stop_all TERM' TERM",
         'for i in "${!HOSTS[@]}"; do',
-        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_MASTER_ADDR=$MASTER_ADDR '
+        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_RUN_ID=$RUN_ID MEMKIT_MASTER_ADDR=$MASTER_ADDR '
         'MEMKIT_MASTER_PORT=$MASTER_PORT bash $(printf %q "$SCRIPT") --node" &',
         '  pids+=($!)',
         "done",

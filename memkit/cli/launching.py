@@ -2,9 +2,11 @@
 accelerate config goes with a plan, and the `accelerate launch` command line."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -45,6 +47,52 @@ def read_accelerate_config(path: Path) -> dict:
         raise MemkitError(f"{path} is not an accelerate config (no distributed_type); pass the accelerate.yaml "
                           "that memkit suggest --out wrote")
     return data
+
+
+def deepspeed_file(acc: dict, config_file: Path) -> Path | None:
+    """The DeepSpeed file an accelerate config names, as an absolute path; None without one.
+
+    accelerate reads deepspeed_config_file relative to the launching directory
+    (accelerate/utils/launch.py: ACCELERATE_DEEPSPEED_CONFIG_FILE is the path as written). A bundle
+    keeps its ds_config.json beside its accelerate.yaml, so a relative path that does not exist
+    from here is that file (presets/ keep repository-relative paths: memkit.cli.preset)."""
+    name = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not name:
+        return None
+    path = Path(str(name)).expanduser()
+    if path.is_absolute():
+        return path
+    if path.is_file():
+        return path.resolve()
+    beside = config_file.parent / path.name
+    if beside.is_file():
+        return beside.resolve()
+    raise MemkitError(f"{config_file}: deepspeed_config_file {name} is neither under {Path.cwd()} nor beside the "
+                      "accelerate config; fix the path in the YAML or write the bundle again with memkit suggest --out")
+
+
+@contextlib.contextmanager
+def launchable_config(config_file: Path | None):
+    """`config_file`, or a temporary copy whose deepspeed_config_file is absolute when it names the
+    file by a path relative to somewhere else (a preset launched from outside the repository)."""
+    if config_file is None:
+        yield None
+        return
+    import yaml
+
+    acc = read_accelerate_config(config_file)
+    ds_path = deepspeed_file(acc, config_file)
+    if ds_path is None or str(ds_path) == str(acc["deepspeed_config"]["deepspeed_config_file"]):
+        yield config_file
+        return
+    acc["deepspeed_config"]["deepspeed_config_file"] = str(ds_path)
+    handle = tempfile.NamedTemporaryFile("w", prefix="memkit-accelerate-", suffix=".yaml", delete=False)
+    try:
+        with handle:
+            yaml.safe_dump(acc, handle, sort_keys=False)
+        yield Path(handle.name)
+    finally:
+        os.unlink(handle.name)
 
 
 def launch_command(config_file: Path | None, finetune_args: list[str]) -> list[str]:

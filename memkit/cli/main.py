@@ -22,6 +22,7 @@ COMMANDS = {
     "train": "memkit.cli.train",
     "launch-script": "memkit.cli.launch_script",
     "doctor": "memkit.cli.doctor",
+    "preset": "memkit.cli.preset",
     "calibrate": "memkit.cli.calibrate",
 }
 

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--out", metavar="DIR", help="write accelerate.yaml, ds_config.json, plan.json, README.md")
+    out.add_argument("--relative-paths", action="store_true",
+                     help="write the bundle's paths as --out is typed (for bundles kept in a repository, such as "
+                          "presets/); default: absolute paths, so the printed command runs from any directory")
     out.add_argument("--plot", metavar="PNG", help="stacked bars of per-GPU memory: chosen plan and alternatives")
     out.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate written into ds_config.json "
                      f"(default {DEFAULT_LR:g})")
@@ -135,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     doc = plan_doc.build(result, lr=args.lr)  # what plan.json holds (the presets hold the same)
     if stack is not None:  # the versions the plan was priced for (plan.json's "versions": this machine's)
         doc["stack"] = stack.to_dict()
+    out_dir = bundle_dir(args.out, relative=args.relative_paths) if args.out else None
+    if out_dir is not None and not args.relative_paths:
+        doc["model"] = _absolute_if_path(args.model, doc["model"])
     written = []
     plot_tmp = None
     try:
@@ -150,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             from memkit.emit.bundle import bundle_files, write_bundle
 
-            files = bundle_files(doc, out_dir=args.out, nvme_path=args.nvme_path or "/local_nvme",
+            files = bundle_files(doc, out_dir=out_dir, nvme_path=args.nvme_path or "/local_nvme",
                                  largest_param_numel=largest_param_numel(request.model),
                                  main_process_ip=args.main_process_ip)
             written = [str(p) for p in write_bundle(args.out, files)]  # all or nothing
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(render_document(doc, out_dir=args.out))
+    print(render_document(doc, out_dir=out_dir))
     if written:
         print("\nwrote " + ", ".join(written))
     return 0
@@ -188,6 +194,25 @@ def _stack_estimator(text: str):
 
     stack = parse_stack(text)
     return stack, partial(estimate_memory, stack=stack)
+
+
+def bundle_dir(out: str, *, relative: bool) -> str:
+    """The folder as the bundle's files and the printed command name it: absolute (accelerate reads
+    deepspeed_config_file relative to the launching directory), or as typed with --relative-paths."""
+    import os
+
+    if relative:
+        return out.rstrip("/") or "/"
+    return os.path.abspath(os.path.expanduser(out))
+
+
+def _absolute_if_path(arg: str, name: str) -> str:
+    """--model as an absolute path when it is a local file or folder (plan.json and the command then
+    work from any directory); catalog names and hub ids unchanged."""
+    from pathlib import Path
+
+    path = Path(arg).expanduser()
+    return str(path.resolve()) if name == arg and path.exists() else name
 
 
 def _report_no_fit(args, request, exc) -> int:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memkit.cli.launching import accelerate_config_for, child_env, launch_command, quote, to_argv
+from memkit.cli.launching import (accelerate_config_for, child_env, launch_command, launchable_config, quote,
+                                  to_argv)
 from memkit.cli.supervise import Supervisor
 
 HELP = "fine-tune under a plan: accelerate launch -m memkit.finetune with the plan's config"
@@ -46,15 +47,16 @@ def run(args: argparse.Namespace) -> int:
         if required not in child_args:
             dest = required[2:].replace("-", "_")
             child_args += [required, str(getattr(args, dest))]
-    cmd = launch_command(config_file, child_args)
     if args.dry_run:
-        print(quote(cmd))
+        print(quote(launch_command(config_file, child_args)))
         return 0
-    print(f"memkit train: {quote(cmd)}", file=sys.stderr)
-    sys.stderr.flush()
-    # SIGTERM (a scheduler's preemption) / SIGINT go to the launcher, which relays them to the ranks;
-    # they checkpoint and stop; memkit then exits 143 / 130 (memkit.cli.supervise).
-    status, code = Supervisor(cmd, env=child_env()).run()
+    with launchable_config(config_file) as launched:  # a preset's repository-relative paths, resolved
+        cmd = launch_command(launched, child_args)
+        print(f"memkit train: {quote(cmd)}", file=sys.stderr)
+        sys.stderr.flush()
+        # SIGTERM (a scheduler's preemption) / SIGINT go to the launcher, which relays them to the ranks;
+        # they checkpoint and stop; memkit then exits 143 / 130 (memkit.cli.supervise).
+        status, code = Supervisor(cmd, env=child_env()).run()
     if status == "signal":
         print(f"memkit train: stopped by a signal (exit {code}); resume with --resume", file=sys.stderr)
     return int(code or 0)

@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memkit.cli.launching import (accelerate_config_for, child_env, launch_command, quote,
+from memkit.cli.launching import (accelerate_config_for, child_env, deepspeed_file, launch_command,
+                                  launchable_config, quote,
                                   read_accelerate_config)
 from memkit.errors import MemkitError
 from memkit.units import format_bytes
@@ -56,15 +57,17 @@ def run(args: argparse.Namespace) -> int:
     finetune_args = ["--plan", args.plan, "--data", args.data, "--output-dir", str(out_dir),
                      "--max-steps", str(args.steps), "--no-save-final", "--no-progress",
                      "--report-json", str(report_path), "--lr", "1e-5", "--warmup-steps", "0",
-                     "--overwrite"]  # a scratch run: a repeated verify replaces the last one
+                     "--overwrite",  # a scratch run: a repeated verify replaces the last one
+                     "--init", "random"]  # memory and speed do not depend on the weights' values
     if args.model:
         finetune_args += ["--model", args.model]
-    cmd = launch_command(config_file, finetune_args)
     log_path = out_dir / "launch.log"
     if not args.json:
         print(f"memkit verify: {args.steps} steps of {args.plan} under {config_file} (log: {log_path})",
               file=sys.stderr)
-    status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
+    with launchable_config(config_file) as launched:  # a preset's repository-relative paths, resolved
+        cmd = launch_command(launched, finetune_args)
+        status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
     if status == "signal":
         print(f"memkit verify: stopped by a signal; the launcher and every rank are stopped (log: {log_path})",
               file=sys.stderr)
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         report = {"status": status if status != "ok" else "failed", "returncode": returncode,
                   "error": _tail(log_path)}
-    report["command"] = quote(cmd)
+    report["command"] = quote(launch_command(config_file, finetune_args))
     report["log"] = str(log_path)
     if report["status"] == "oom":
         report["next_plan"] = next_ranked_plan(doc)
@@ -110,12 +113,9 @@ def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
     ds_file = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not ds_file:
         return
-    path = Path(ds_file)
-    if not path.is_absolute() and not path.is_file():
-        path = config_file.parent / path.name
     try:
-        ds_config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        ds_config = json.loads(deepspeed_file(acc, config_file).read_text())
+    except (OSError, json.JSONDecodeError, MemkitError):
         return  # the runner reports a missing or broken DeepSpeed file itself
     import contextlib
 
@@ -209,14 +209,10 @@ def record_in_profile(report: dict, doc: dict, plan, model_arg: str | None) -> i
     if torch.cuda.is_available():
         device, predicted = hw_doc.get("gpu", "unknown"), doc.get("estimate") or {}
     else:
-        from memkit.estimate.memory import estimate_memory
-        from memkit.spec.hardware import Hardware, find_gpu
-        from memkit.spec.hf import load_model_spec
+        from memkit.spec.resolve import resolve_model
+        from memkit.train.report import cpu_priced
 
-        hardware = Hardware(gpu=find_gpu(hw_doc.get("gpu", "a100-80gb")),
-                            num_gpus_per_node=int(hw_doc.get("num_gpus_per_node", plan.num_gpus)),
-                            num_nodes=int(hw_doc.get("num_nodes", 1)))
-        est = estimate_memory(load_model_spec(model_arg or doc["model"]), plan, hardware, device="cpu")
-        device, predicted = "cpu", est.to_dict()
+        config_path = resolve_model(model_arg or doc["model"]).config_path
+        device, predicted = "cpu", cpu_priced(doc, plan, config_path)["estimate"]
         measured = {"allocated_peak_bytes": measured.get("allocated_peak_bytes")}
     return profile.record_run(device=device, stack=installed(), plan=plan, predicted=predicted, measured=measured)

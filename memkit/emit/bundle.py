@@ -128,12 +128,37 @@ def _rmdir_quietly(folder: Path) -> None:
         pass
 
 
+def model_argument(document: dict) -> str:
+    """What the printed command passes as --model: the real weights. A catalog name is only a
+    config, so the command names its hub id (the runner loads it once `hf download` has put it in
+    the local HF cache, memkit.spec.resolve); a path or hub id is passed as the plan was made with."""
+    from memkit.spec.hf import find_catalog_model
+
+    entry = find_catalog_model(str(document["model"]))
+    return entry.hub_id if entry is not None and entry.hub_id else str(document["model"])
+
+
 def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
-                   extra: str = "") -> str:
-    """The command that runs the bundle (the runner module memkit.finetune: `--help` lists its flags)."""
-    return (f"accelerate launch --config_file {out_dir}/accelerate.yaml -m memkit.finetune "
-            f"--plan {out_dir}/plan.json --model {document['model']} --data {data} "
-            f"--output-dir {out_dir}/run{extra}")
+                   extra: str = "", smoke: bool = False) -> str:
+    """The command that runs the bundle (the runner module memkit.finetune: `--help` lists its flags).
+    smoke=True: 20 steps of synthetic tokens on fresh weights (--init random: nothing to download)."""
+    import shlex
+
+    q = shlex.quote
+    run = "run"
+    if smoke:  # its own folder: the real run then starts fresh
+        data, extra, run = "synthetic", " --init random --max-steps 20" + extra, "smoke"
+    return (f"accelerate launch --config_file {q(out_dir + '/accelerate.yaml')} -m memkit.finetune "
+            f"--plan {q(out_dir + '/plan.json')} --model {q(model_argument(document))} --data {q(data)} "
+            f"--output-dir {q(out_dir + '/' + run)}{extra}")
+
+
+def _weights_text(document: dict) -> str:
+    hub = model_argument(document)
+    if hub != str(document["model"]):  # a catalog name: its hub id
+        return (f"`{hub}` loads from the local Hugging Face cache once `hf download {hub}` has fetched it; or "
+                f"pass the folder that holds them (`--model /path/to/{hub.split('/')[-1]}`)")
+    return "a folder with config.json and safetensors weights, or a hub id in the local Hugging Face cache"
 
 
 def readme(document: dict, *, out_dir: str) -> str:
@@ -152,11 +177,13 @@ def readme(document: dict, *, out_dir: str) -> str:
         launch_command(document, out_dir=out_dir),
         "```",
         "",
-        "`--data` takes a .jsonl (text, or prompt+completion), a .txt or a datasets folder. A 20-step "
-        "smoke test on synthetic tokens, which also reports the measured peak per GPU:",
+        f"`--model` is the weights you fine-tune: {_weights_text(document)}. `--data` takes .jsonl/.json/.csv/"
+        ".parquet (text, prompt+completion, alpaca, chat messages / ShareGPT), a .txt or a datasets folder. "
+        "A 20-step smoke test on synthetic tokens and fresh weights (`--init random`: nothing to download), "
+        "which also reports the measured peak per GPU:",
         "",
         "```",
-        launch_command(document, out_dir=out_dir, data="synthetic", extra=" --max-steps 20"),
+        launch_command(document, out_dir=out_dir, smoke=True),
         "```",
         "",
     ]

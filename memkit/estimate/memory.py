@@ -274,6 +274,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
         base.update({f"offloaded_{name}": value for name, value in st.host.items()})
     in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
+    in_reduction = {prefix + name: value for name, value in st.reduction_buffers.items()}
     # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
     grads_outside_backward = grads_end if not st.backward_buffers else 0
     first_fwd_grads = 0 if st.gradients_grow else grads_outside_backward  # a micro-batch with none held
@@ -316,7 +317,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         else:
             current = full_block
         first_grads.append(grads_after(n_layers - 1 - j, held=False))
-        moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
+        moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
                         "backward_temporaries": blk.backward_transient_bytes + landing
                         - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),

@@ -88,6 +88,10 @@ class States:
     backward_buffers: dict[str, int] = field(default_factory=dict)
     """Buffers that exist only from the first gradient reduction until the step releases them
     (ZeRO-2's ipg bucket and gradient partition: stage_1_and_2.py _release_ipg_buffers)."""
+    reduction_buffers: dict[str, int] = field(default_factory=dict)
+    """Buffers that exist from the first gradient hook of a backward to its end (ZeRO-1's ipg
+    buckets: stage_1_and_2.py setup_buckets allocates them in the first hook, the backward
+    epilogue independent_gradient_partition_epilogue -> _release_ipg_buffers frees them)."""
     step_transient: int = 0
     """Extra bytes during the optimizer step (fp32 gradient copies, foreach temporaries)."""
     gather_transient: int = 0
@@ -152,6 +156,13 @@ def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") ->
         else:
             st.gradients = psi_t * grad_b  # stage 1 keeps whole gradients until the step
             st.step_transient += _div(psi_t, n) * grad_b  # averaged_gradients partition
+            # Stage 1 registers the gradient hooks too when contiguous_gradients is on
+            # (stage_1_and_2.py __init__: partition_gradients or overlap_comm or ... or
+            # contiguous_gradients), and the first hook allocates the ipg bucket(s) at their
+            # configured size (setup_buckets; a second with overlap_comm). Measured:
+            # tests/golden/cpu_measurements.json ds-z1-bf16-overlap-tiny-suggested (issue #15).
+            if plan.contiguous_gradients:
+                st.reduction_buffers["ipg_bucket"] = ipg
         return st
     # ZeRO-3
     st.gradients_grow = False

@@ -68,6 +68,18 @@ def resolve_model(name_or_path: str) -> ModelSource:
                       "or pass a config.json path or a cached hub id (org/name)")
 
 
+def with_cached_weights(source: ModelSource) -> ModelSource:
+    """`source`, or its hub id's snapshot folder in the local HF cache when that holds weights
+    (a catalog name whose model the user downloaded: `hf download meta-llama/Llama-3.1-8B`)."""
+    if source.has_weights or not source.hub_id:
+        return source
+    cached = _cached_hub_config(source.hub_id)
+    if cached is None:
+        return source
+    found = _folder(source.name, cached.parent, hub_id=source.hub_id)
+    return found if found.has_weights else source
+
+
 def _folder(name: str, folder: Path, *, hub_id: str = "") -> ModelSource:
     return ModelSource(name=name, config_path=folder / "config.json", folder=folder,
                        has_weights=any((folder / f).exists() for f in WEIGHT_FILES), hub_id=hub_id)

@@ -26,6 +26,8 @@ class RunConfig:
 
     model: str
     data: str
+    init: str = "pretrained"
+    """'pretrained' (the weights --model points at) or 'random' (fresh seeded weights; memkit.train.model.choose_init)."""
     output_dir: Path
     max_steps: int
     lr: float = 2e-5

@@ -348,7 +348,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     flops_per_token = train_flops_per_token(
         num_params=num_params, num_trainable_params=num_trainable,
         num_layers=getattr(model_config, "num_hidden_layers", 0) or 0,
-        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len)
+        hidden_size=getattr(model_config, "hidden_size", 0) or 0, seq_len=data.seq_len,
+        embedding_params=min(_lookup_params(model_source), num_params))
     peak_tflops = gpu_peak_tflops(device, plan.precision)
     evaluation = data.eval
     start_record = {
@@ -375,12 +376,30 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
         board = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
     if main:
         _say_start(run, plan, world, data, resumed_from=resumed_from, start_step=start_step)
+    if meter.kind == "live-tensors" and plan_doc and plan_doc.get("hardware"):
+        from memkit.train.report import cpu_priced
+
+        plan_doc = cpu_priced(plan_doc, plan, model_source.config_path)  # what a live-tensor peak is compared with
     return _Run(run=run, plan=plan, plan_doc=plan_doc, data=data, tokenizer=tokenizer, accelerator=accelerator,
                 ds_config=ds_config, layout=layout, model=model, optimizer=optimizer,
                 engine=model if is_ds else None, pipe=pipe, meter=meter, sharding=sharding, manager=manager,
                 log=log, board=board, start_record=start_record, flops_per_token=flops_per_token,
                 peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step,
                 model_config=model_config)
+
+
+def _lookup_params(model_source) -> int:
+    """Parameters no matmul uses (the embedding lookups; a tied LM head still multiplies; inactive
+    experts of an MoE): the same N the predicted MFU counts (estimate/throughput.py matmul_params on
+    the model's ModelSpec), so measured and predicted MFU compare like with like."""
+    from memkit.estimate.throughput import matmul_params
+    from memkit.spec.hf import load_model_spec
+
+    try:
+        spec = load_model_spec(str(model_source.config_path))
+    except MemkitError:  # a config memkit cannot price: count every parameter (the PaLM N as measured)
+        return 0
+    return max(0, spec.num_params - matmul_params(spec))
 
 
 def _say_start(run: RunConfig, plan: TrainingPlan, world: int, data: PackedData, *, resumed_from, start_step) -> None:
@@ -533,8 +552,10 @@ def _evaluate(st: _Run) -> float | None:
     each; every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each
     one), a rank past the end re-reads sequence 0 with every label masked."""
     evaluation = st.data.eval
-    if evaluation is None or st.pipe is not None:
+    if evaluation is None:
         return None
+    if st.pipe is not None:
+        return _record_eval(st, *_evaluate_pipeline(st))
     micro, dp = st.plan.micro_batch_size, st.plan.dp
     device = st.accelerator.device
     totals = torch.zeros(2, dtype=torch.float64)
@@ -556,9 +577,32 @@ def _evaluate(st: _Run) -> float | None:
         totals = totals.to(device)
         torch.distributed.all_reduce(totals)
         totals = totals.cpu()
-    loss = float(totals[0] / max(1.0, float(totals[1])))
+    return _record_eval(st, float(totals[0]), int(totals[1]))
+
+
+def _evaluate_pipeline(st: _Run) -> tuple[float, int]:
+    """(loss sum, target tokens) of the eval set through the pipeline: rounds of micro x accum
+    sequences per dp shard (the schedule's micro-batch count is fixed), a shard past the end
+    re-reads sequence 0 with every label masked; every rank runs every round."""
+    evaluation = st.data.eval
+    local = st.plan.micro_batch_size * st.plan.grad_accum
+    loss_sum, tokens = 0.0, 0
+    for start in range(0, evaluation.num_sequences, local * st.plan.dp):
+        positions = start + st.layout.dp_rank * local + np.arange(local)
+        valid = torch.as_tensor(positions < evaluation.num_sequences)
+        batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
+        labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
+        round_sum, round_tokens = st.pipe.eval_sums(batch["input_ids"], labels)
+        loss_sum, tokens = loss_sum + round_sum, tokens + round_tokens
+    return loss_sum, tokens
+
+
+def _record_eval(st: _Run, loss_sum: float, num_tokens: int) -> float:
+    """Log one eval loss (mean over the eval set's target tokens) to log.jsonl and TensorBoard."""
+    evaluation = st.data.eval
+    loss = loss_sum / max(1, num_tokens)
     st.eval_losses[st.step] = loss
-    st.log.write({"event": "eval", "step": st.step, "eval_loss": loss, "eval_tokens": int(totals[1]),
+    st.log.write({"event": "eval", "step": st.step, "eval_loss": loss, "eval_tokens": num_tokens,
                   "eval_sequences": evaluation.num_sequences})
     if st.board is not None:
         st.board.add_scalar("eval/loss", loss, global_step=st.step)
@@ -682,7 +726,8 @@ def _pipeline_and_optimizer(plan: TrainingPlan, run: RunConfig, layout, model_so
     optimizer over the stage's parameters. Returns (pipe, optimizer, num_params, num_trainable)."""
     from memkit.train.model import apply_plan, build_model, count_params
 
-    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+    model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed,
+                        pretrained=run.init == "pretrained")
     if plan.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     model = apply_plan(model, plan)
@@ -702,9 +747,11 @@ def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_
     if plan.is_quantized:  # the base loaded in 4 bits (memkit/train/quantize.py)
         from memkit.train.model import build_quantized
 
-        model = build_quantized(model_source, model_config, plan, seed=run.seed, device=accelerator.device)
+        model = build_quantized(model_source, model_config, plan, seed=run.seed, device=accelerator.device,
+                                pretrained=run.init == "pretrained")
     else:
-        model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed)
+        model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed,
+                            pretrained=run.init == "pretrained")
     if has_batchnorm(model):
         warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
                       "statistics (each micro-batch is normalised alone), so micro x accum is not "

@@ -33,8 +33,11 @@ HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch
 
 def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> None:
     p.add_argument("--plan", help="plan.json written by `memkit suggest --out DIR`")
-    p.add_argument("--model", help="local model folder, config.json, or catalog name "
-                                    "(default: plan.json's model)")
+    p.add_argument("--model", help="local HF model folder with weights, a hub id in the local HF cache, a "
+                                    "config.json, or a catalog name (default: plan.json's model)")
+    p.add_argument("--init", choices=("pretrained", "random"), default=None,
+                   help="pretrained: --model's weights (the default when it has them); random: fresh seeded "
+                        "weights from its config (smoke tests; required for a catalog name without weights)")
     p.add_argument("--data", required=not for_wrapper,
                    help=".jsonl/.json/.csv/.parquet/.txt or a datasets folder: text, prompt+completion, alpaca, "
                         "chat messages / ShareGPT (memkit.train.records); or synthetic[:N]")
@@ -133,6 +136,8 @@ class Prepared:
     """The transformers config the model is built from."""
     tokenizer: Any
     data: Any
+    init_note: str = ""
+    """One line on where the weights come from (pretrained folder, or fresh with the reason)."""
 
 
 def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
@@ -142,7 +147,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     the launched-world checks."""
     from memkit.train.config import check_flags, check_split, plan_model_name, read_plan_file, scaled_lr
     from memkit.train.data import prepare_data
-    from memkit.train.model import load_config, max_positions, resolve_model
+    from memkit.train.model import choose_init, load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
     from memkit.train.tokenizer import load_tokenizer
 
@@ -160,7 +165,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if not model_name:
         raise MemkitError("no model: pass --model (folder, config.json or catalog name) or a --plan "
                           "that names one")
-    source = resolve_model(model_name)
+    source, init, init_note = choose_init(resolve_model(model_name), args.init)  # refuses silent random weights
     if plan is not None and (plan.tp > 1 or plan.pp > 1):
         check_split(plan, plan_doc, config_path=source.config_path, model_name=model_name,
                     env=dict(os.environ) if launched else None)
@@ -185,7 +190,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
                          ref_batch_size=args.ref_batch_size)
     run = RunConfig(
-        model=model_name, data=args.data, output_dir=Path(args.output_dir),
+        model=model_name, init=init, data=args.data, output_dir=Path(args.output_dir),
         max_steps=100 if args.max_steps is None else args.max_steps, num_epochs=args.num_epochs,
         eval_every=args.eval_every, report_to=args.report_to, overwrite=args.overwrite,
         lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
@@ -201,7 +206,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len
     return Prepared(plan=plan, plan_doc=plan_doc, flags=flags, run=run, source=source, model_config=config,
-                    tokenizer=tokenizer, data=data)
+                    tokenizer=tokenizer, data=data, init_note=init_note)
 
 
 def _env_int(name: str) -> int | None:
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"finetune: error: {exc}\n")
         return exc.exit_code
     run = prepared.run
+    if rank == 0 and prepared.init_note:
+        sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
 
     import torch
 

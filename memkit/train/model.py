@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from memkit.errors import MemkitError
 from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
-from memkit.spec.resolve import ModelSource, resolve_model  # noqa: F401 (the one resolver; main.py uses it)
+from memkit.spec.resolve import WEIGHT_FILES, ModelSource, resolve_model  # noqa: F401 (the one resolver; main.py uses it)
 
 
 
@@ -40,8 +40,42 @@ def max_positions(config) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def build_model(source: ModelSource, config, *, attention: str, seed: int):
-    """A causal LM in fp32: the folder's weights when it has them, else fresh seeded weights.
+INITS = ("pretrained", "random")
+"""--init: the weights `--model` points at, or fresh seeded weights built from its config."""
+
+
+def choose_init(source: ModelSource, init: str | None) -> tuple[ModelSource, str, str]:
+    """(source, init, note) for `--model` and `--init`, before any rank starts.
+
+    A catalog name or hub id without weights refuses to train unless `--init random` says so (a
+    fine-tune of fresh weights is never silent); a catalog name whose hub id is in the local HF
+    cache with weights loads those. A local config.json / folder without weights trains fresh
+    weights with a note. `note` is one line for the console ('' when there is nothing to say)."""
+    from memkit.spec.resolve import with_cached_weights
+
+    if init is not None and init not in INITS:
+        raise MemkitError(f"--init {init!r} is not one of {', '.join(INITS)}")
+    if init != "random" and not source.has_weights:
+        source = with_cached_weights(source)
+    if init == "random":
+        return source, "random", f"--init random: fresh seeded weights from {source.name}'s config"
+    if source.has_weights:
+        return source, "pretrained", f"pretrained weights from {source.folder}"
+    hub = source.hub_id
+    if hub:
+        raise MemkitError(
+            f"--model {source.name} has no weights here (memkit knows its config, and {hub} is not in the "
+            f"local HF cache with weights); pass a folder with weights (--model /path/to/{hub.split('/')[-1]}), "
+            f"download it (hf download {hub}), or add --init random for a smoke test on fresh weights")
+    if init == "pretrained":
+        raise MemkitError(f"--init pretrained: {source.name} holds no weights ({', '.join(WEIGHT_FILES[:2])}, ...); "
+                          "pass the folder save_pretrained wrote, or --init random")
+    return source, "random", (f"{source.name} holds no weights: training fresh seeded weights from its config "
+                              "(--init random says so)")
+
+
+def build_model(source: ModelSource, config, *, attention: str, seed: int, pretrained: bool = True):
+    """A causal LM in fp32: the folder's weights when `pretrained` and it has them, else fresh seeded weights.
 
     Under ZeRO-3 (zero3_init_flag) transformers builds it inside deepspeed.zero.Init, so each
     rank only ever holds its partition (transformers: integrations/deepspeed.py).
@@ -55,7 +89,7 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
     set_seed(seed)
     kwargs = {"attn_implementation": HF_ATTN_IMPLEMENTATION[attention], "dtype": torch.float32}
     try:
-        if source.has_weights:
+        if pretrained and source.has_weights:
             model = AutoModelForCausalLM.from_pretrained(str(source.folder), config=config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -66,15 +100,16 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int):
     return model
 
 
-def build_quantized(source: ModelSource, config, plan: TrainingPlan, *, seed: int, device):
+def build_quantized(source: ModelSource, config, plan: TrainingPlan, *, seed: int, device, pretrained: bool = True):
     """build_model's model with its linears in 4 bits on `device`, prepared for k-bit training
     (memkit/train/quantize.py): the folder's checkpoint, or the fresh seeded weights through a
     temporary save."""
     from memkit.train.quantize import load_quantized, quantize_fresh
 
-    if source.has_weights:
+    if source.has_weights and pretrained:
         return load_quantized(source.folder, plan, device=str(device), config=config)
-    return quantize_fresh(build_model(source, config, attention=plan.attention, seed=seed), plan, device=str(device))
+    return quantize_fresh(build_model(source, config, attention=plan.attention, seed=seed, pretrained=False),
+                          plan, device=str(device))
 
 
 def apply_plan(model, plan: TrainingPlan):

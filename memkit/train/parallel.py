@@ -208,6 +208,33 @@ class PipelineParallel:
         dist.all_reduce(total)  # only last stages' tp rank 0 contribute: sum over dp replicas
         return float(total) / self.layout.dp
 
+    def eval_sums(self, input_ids, labels) -> tuple[float, int]:
+        """Forward only (the schedule's eval: torch/distributed/pipelining/schedules.py, no backward)
+        of one local batch of grad_accum micro-batches. Returns (sum of next-token losses, target
+        tokens) over every dp shard, the same on every rank (only the last stage's tp rank 0 adds)."""
+        import torch
+        import torch.distributed as dist
+
+        self._num_tokens = 1  # sums, not means: the eval divides by all its target tokens at the end
+        losses: list = []
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.plan.precision == "bf16" \
+            else contextlib.nullcontext()
+        self.module.eval()
+        try:
+            with torch.no_grad(), autocast:
+                if self.layout.is_first_stage:
+                    self.schedule.eval(input_ids.to(self.device), target=labels.to(self.device), losses=losses)
+                else:
+                    self.schedule.eval(target=labels.to(self.device), losses=losses)
+        finally:
+            self.module.train()
+        adds = bool(losses) and not self.layout.tp_rank
+        totals = torch.tensor([float(sum(float(l) for l in losses)) if adds else 0.0,
+                               float(count_target_tokens(labels)) if adds else 0.0],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return float(totals[0]), int(totals[1])
+
     def _reduce_gradients(self) -> None:
         import torch.distributed as dist
 

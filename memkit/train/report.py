@@ -28,6 +28,23 @@ def predicted_figures(plan_doc: dict | None) -> dict:
     return out
 
 
+def cpu_priced(plan_doc: dict, plan: TrainingPlan, config_path) -> dict:
+    """plan.json with its memory estimate priced for the CPU (estimate_memory(device='cpu')): on a
+    CPU the runner measures live tensors, which the CPU estimate predicts, while plan.json's
+    estimate is for the GPU (CUDA context, cuBLAS workspace, caching-allocator rounding); comparing
+    those two was the 0.59x "disagreement" of issue #15's tiny ZeRO-1 plan. The step-time figures
+    stay the GPU's (there is no CPU step-time model)."""
+    from memkit.emit.plan_doc import hardware_from_dict
+    from memkit.estimate.memory import estimate_memory
+    from memkit.spec.hf import load_model_spec
+
+    hardware = hardware_from_dict(plan_doc["hardware"])
+    est = estimate_memory(load_model_spec(str(config_path)), plan, hardware, device="cpu")
+    figures = {k: v for k, v in est.to_dict().items()  # a CPU has no reserved pool and no CUDA context
+               if k not in ("reserved_peak_bytes", "nvidia_smi_peak_bytes")}
+    return {**plan_doc, "estimate": figures, "estimate_device": "cpu"}
+
+
 def build_report(*, status: str, plan: TrainingPlan, plan_doc: dict | None, steps_done: int,
                  start_step: int, losses: list[float], measured: dict, world_size: int,
                  distributed_type: str, final_dir: str | None, error: str | None = None) -> dict:
@@ -35,6 +52,7 @@ def build_report(*, status: str, plan: TrainingPlan, plan_doc: dict | None, step
     ratio = {k: measured[k] / v for k, v in predicted.items()
              if measured.get(k) is not None and v}
     return {"status": status, "steps_done": steps_done, "start_step": start_step,
+            "predicted_memory_for": (plan_doc or {}).get("estimate_device", "gpu"),
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "world_size": world_size, "distributed_type": distributed_type, "plan": plan.to_dict(),
             "measured": measured, "predicted": predicted, "measured_over_predicted": ratio,
@@ -59,13 +77,14 @@ def render_report(report: dict) -> str:
     """A small table: figure | measured | predicted | measured/predicted."""
     measured, predicted, ratio = report["measured"], report["predicted"], report["measured_over_predicted"]
     kind = measured.get("memory_kind")
+    priced = "; vs the CPU estimate" if report.get("predicted_memory_for") == "cpu" else ""
     rows = [("figure", "measured", "predicted", "ratio")]
     for key, _, _ in (("host_rss_peak_bytes", None, None),) + tuple(COMPARED):
         if measured.get(key) is None and key not in predicted:
             continue
         label = key
         if key == "allocated_peak_bytes" and kind == "live-tensors":
-            label = "allocated_peak_bytes (live tensors, CPU)"
+            label = f"allocated_peak_bytes (live tensors, CPU{priced})"
         rows.append((label, _fmt(key, measured.get(key)), _fmt(key, predicted.get(key)),
                      f"{ratio[key]:.2f}" if key in ratio else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -16,8 +16,10 @@ from runner_util import TINY_LLAMA  # noqa: E402
 SEQ, MICRO, ACCUM, STEPS = 32, 2, 2, 3
 
 
-def test_trainer_run_writes_measured_vs_predicted(tmp_path):
+def test_trainer_run_writes_measured_vs_predicted(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    monkeypatch.setenv("MEMKIT_PROFILE", str(tmp_path / "profile.json"))  # never this machine's own profile
 
     cfg = dict(TINY_LLAMA)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -48,6 +50,56 @@ def test_trainer_run_writes_measured_vs_predicted(tmp_path):
     # memkit's CPU-priced estimate of this plan vs HF Trainer's measured live-tensor peak, at the
     # estimator's 5% tolerance (measured here: 2,702,768 vs 2,730,240 bytes, ratio 0.990).
     assert abs(record["measured_over_predicted"]["allocated_peak_bytes"] - 1) < 0.05
+
+
+def test_trainer_run_feeds_the_local_profile_that_a_later_estimate_uses(tmp_path, monkeypatch, capsys):
+    """profile=None: nothing is written while no local profile exists; profile=True: the run is
+    appended (device 'cpu', this stack), and `memkit estimate --device cpu` of the same plan then
+    takes its upper-bound margin from it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from memkit import profile
+    from memkit.cli.main import main
+    from memkit.plan import TrainingPlan
+
+    monkeypatch.setenv(profile.ENV, str(tmp_path / "profile.json"))
+    cfg = dict(TINY_LLAMA)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    plan = TrainingPlan(precision="fp32", optimizer="adamw", micro_batch_size=MICRO, grad_accum=ACCUM, seq_len=SEQ,
+                        engine="torch")
+    prediction = memkit.estimate(config, gpu="a100-80gb", device="cpu", plan=plan)
+    ids = torch.randint(0, 320, (MICRO * ACCUM * STEPS, SEQ), generator=torch.Generator().manual_seed(0))
+    train_set = [{"input_ids": row, "labels": row} for row in ids]
+    records = []
+    for feed in (None, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        callback = memkit.MemkitCallback(tmp_path / f"record-{feed}.json", prediction=prediction, plan=plan,
+                                         seq_len=SEQ, profile=feed)
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                                 gradient_accumulation_steps=ACCUM, learning_rate=1e-3, report_to=[], use_cpu=True,
+                                 save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=train_set, callbacks=[callback]).train()
+        records.append(json.loads((tmp_path / f"record-{feed}.json").read_text()))
+    assert records[0]["profile"] == {"skipped": f"no local profile at {tmp_path / 'profile.json'} "
+                                                "(profile=True creates it)"}
+    assert records[1]["profile"] == {"path": str(tmp_path / "profile.json"), "device": "cpu", "runs": 1}
+    (machine,) = json.loads((tmp_path / "profile.json").read_text())["machines"].values()
+    (run,) = machine["runs"]
+    measured = records[1]["measured"]["allocated_peak_bytes"]
+    assert run["measured"] == {"allocated_peak_bytes": measured}
+    assert run["predicted"]["allocated_peak_bytes"] == prediction.allocated_peak_bytes
+    assert run["plan"] == plan.to_dict()
+
+    capsys.readouterr()
+    assert main(["estimate", "--model", str(tmp_path / "config.json"), "--device", "cpu", "--gpu", "a100-80gb",
+                 "--precision", "fp32", "--optimizer", "adamw", "--micro-batch-size", str(MICRO), "--grad-accum",
+                 str(ACCUM), "--seq-len", str(SEQ), "--engine", "torch", "--json"]) == 0
+    later = json.loads(capsys.readouterr().out)
+    assert later["upper_basis"] == "calibrated on 1 runs on this machine"
+    margin = max(0.0, measured / prediction.allocated_peak_bytes - 1)
+    assert later["allocated_peak_upper_bytes"] == int(later["allocated_peak_bytes"] * (1 + margin))
 
 
 def test_api_estimate_and_suggest_match_the_library():

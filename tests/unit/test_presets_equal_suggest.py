@@ -1,4 +1,6 @@
-"""Every preset under presets/plans/ is what `memkit suggest --out` writes for its request today:
+"""Every preset under presets/plans/ is what `memkit suggest --out presets/plans/NAME --relative-paths`
+writes for its request today (presets keep repository-relative paths; `memkit preset NAME --out DIR`
+and `memkit train` resolve them for a launch from anywhere):
 the same files, byte for byte, apart from plan.json's installed versions (issue #8: presets
 once used their own host-RAM default and chose differently from suggest).
 
@@ -30,7 +32,7 @@ def test_every_preset_names_a_request():
 def test_preset_is_what_suggest_writes(name, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # so that --out is the preset's own relative path
     out = f"presets/plans/{name}"
-    assert main(["suggest", *REQUESTS[name].suggest_argv(), "--out", out]) == 0
+    assert main(["suggest", *REQUESTS[name].suggest_argv(), "--out", out, "--relative-paths"]) == 0
     capsys.readouterr()
     committed = sorted(p.name for p in (PLANS / name).iterdir())
     written = sorted(f for f in FILES if (tmp_path / out / f).is_file())

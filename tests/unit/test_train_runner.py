@@ -308,7 +308,7 @@ def test_prepare_returns_a_typed_run_description(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     # An alias and a hub id resolve as they do for suggest (memkit.spec.resolve, the one resolver).
-    args = parser.parse_args(["--model", "llama3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path),
+    args = parser.parse_args(["--model", "llama3.2-1b", "--init", "random", "--data", "synthetic:8", "--output-dir", str(tmp_path),
                               "--seq-len", "64", "--micro-batch-size", "2"])
     prepared = prepare(args, launched=False)
     assert isinstance(prepared, Prepared) and prepared.plan is None

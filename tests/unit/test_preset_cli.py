@@ -1,0 +1,71 @@
+"""Presets launched from anywhere (#15): `memkit preset NAME --out DIR` writes the preset's plan with
+absolute paths (the same DeepSpeed file and plan, byte for byte), and `memkit train` / `verify`
+resolve a preset's repository-relative DeepSpeed path beside its accelerate.yaml."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from memkit.cli.main import main
+from memkit.presets_dir import presets_dir
+
+PLANS = presets_dir() / "plans"
+NAMES = sorted(p.name for p in PLANS.iterdir()) if PLANS.is_dir() else []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preset_bundle_is_the_preset_with_absolute_paths(name, tmp_path):
+    from memkit.cli.preset import preset_bundle
+
+    out = str(tmp_path / "b")
+    files = preset_bundle(name, out)
+    committed = {p.name: p.read_text() for p in (PLANS / name).iterdir()}
+    assert set(files) == set(committed) | {"README.md"}
+    for fname in set(committed) - {"accelerate.yaml"}:
+        assert files[fname] == committed[fname], fname
+    ours, theirs = yaml.safe_load(files["accelerate.yaml"]), yaml.safe_load(committed["accelerate.yaml"])
+    if "deepspeed_config" in theirs:
+        assert theirs["deepspeed_config"]["deepspeed_config_file"] == f"presets/plans/{name}/ds_config.json"
+        assert ours["deepspeed_config"].pop("deepspeed_config_file") == f"{out}/ds_config.json"
+        theirs["deepspeed_config"].pop("deepspeed_config_file")
+    assert ours == theirs
+    assert f"--config_file {out}/accelerate.yaml -m memkit.finetune --plan {out}/plan.json" in files["README.md"]
+
+
+def test_preset_lists_writes_and_refuses_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["preset"]) == 0
+    assert capsys.readouterr().out.split() == NAMES
+    name = "llama-3.2-1b-full-1xh100-80gb-4k"
+    assert main(["preset", name, "--out", "here"]) == 0
+    out = capsys.readouterr().out
+    assert f"--config_file {tmp_path / 'here' / 'accelerate.yaml'}" in out and "--model meta-llama/Llama-3.2-1B" in out
+    assert yaml.safe_load((tmp_path / "here" / "accelerate.yaml").read_text())["deepspeed_config"][
+        "deepspeed_config_file"] == str(tmp_path / "here" / "ds_config.json")
+    assert main(["preset", "llama-3.2-1b-full-1xh100-80gb-4kk"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memkit: error: unknown preset 'llama-3.2-1b-full-1xh100-80gb-4kk' (did you mean") and \
+        err.endswith("`memkit preset` lists them")
+
+
+def test_a_relative_deepspeed_path_is_resolved_beside_the_yaml_from_any_directory(tmp_path, monkeypatch):
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from memkit.cli.launching import launchable_config
+    from memkit.errors import MemkitError
+
+    name = "llama-3.2-1b-full-1xh100-80gb-4k"
+    preset_yaml = PLANS / name / "accelerate.yaml"
+    monkeypatch.chdir(tmp_path)  # outside the repository: presets/plans/... does not exist from here
+    with launchable_config(preset_yaml) as launched:
+        assert launched != preset_yaml
+        acc = yaml.safe_load(launched.read_text())
+        assert acc["deepspeed_config"]["deepspeed_config_file"] == str(PLANS / name / "ds_config.json")
+        args = launch_command_parser().parse_args(["--config_file", str(launched), "-m", "memkit.finetune"])
+        assert _validate_launch_command(args)[0].deepspeed_config_file == str(PLANS / name / "ds_config.json")
+    assert not launched.exists()  # the temporary copy is removed after the run
+    broken = tmp_path / "accelerate.yaml"
+    broken.write_text(preset_yaml.read_text())
+    with pytest.raises(MemkitError, match=r"deepspeed_config_file presets/plans/.*/ds_config.json is neither under"):
+        with launchable_config(broken):
+            pass
