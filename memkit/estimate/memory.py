@@ -89,9 +89,10 @@ def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = 
     m = margin(plan, table, figure="nvidia_smi") if priced else 0.0  # reserved and nvidia-smi
     m_alloc = margin(plan, table, figure="allocated") if priced else 0.0
     if not basis and table is None:
-        from memkit.estimate.residuals_table import NUM_ROWS
+        from memkit.estimate.residuals_table import LOSO_COVERAGE, NUM_ROWS
         basis = (f"{QUANTILE_LABEL} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
-                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}") if device == "cuda" \
+                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}; covers "
+                 f"{LOSO_COVERAGE:.0%} of a held-out source's runs") if device == "cuda" \
             else "CPU: exact replay"
     notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
