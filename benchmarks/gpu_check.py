@@ -101,7 +101,7 @@ def table(rows: list[dict], gpu_name: str) -> str:
     lines = [f"# memkit gpu_check: {MODEL} on one {gpu_name}", "",
              "Allocated/reserved: torch.cuda.max_memory_allocated/_reserved over the run (GiB); "
              "predicted: memkit's estimate in plan.json (reserved from its allocator replay); upper: "
-             "reserved_peak_upper_bytes (prediction + p90 margin), 'ok' when the measurement is under it. "
+             "reserved_peak_upper_bytes (prediction + the margin of estimate/bounds.py), 'ok' when the measurement is under it. "
              "tokens/s: median step after the first.", "",
              "| plan | status | alloc pred | alloc meas | ratio | reserved pred | reserved meas | ratio "
              "| reserved upper | tok/s pred | tok/s meas | ratio | MFU meas |",

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from memkit.calibration import Outcome, cases_for_record, score, summarize
+from memkit.estimate.bounds import QUANTILE_LABEL
 from memkit.units import GIB
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,7 +160,7 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
         out.append("")
         out.append(f"Summary, {title}: regression |error| %, signed mean %, >hdrm = % of rows measured above "
                    "predicted/0.9 (a plan sized to the 10% headroom would OOM), upper = % of rows at or under "
-                   "the p90 upper bound (margin computed without the row's source), bound checks")
+                   f"the {QUANTILE_LABEL} upper bound (margin computed without the row's source), bound checks")
         out.append(f"  {'source':<40} {'n':>3} {'median':>7} {'mean':>7} {'signed':>7} {'>hdrm':>6} {'upper':>6}"
                    f"   {'probe n/med':>11}   {'bounds':>9} {'skip':>5} {'err':>4}")
         stats = summarize(outcomes, exact_only=exact)

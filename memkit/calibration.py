@@ -608,9 +608,9 @@ def upper_bound(o: Outcome) -> int:
     """The row's upper bound with the margin computed WITHOUT its own source (leave one source
     out, estimate/residuals_table.py), so coverage is judged as on an unseen source."""
     from memkit.estimate.bounds import margin
-    from memkit.estimate.residuals_table import LEAVE_ONE_SOURCE_OUT, RESIDUAL_P90
+    from memkit.estimate.residuals_table import LEAVE_ONE_SOURCE_OUT, RESIDUAL_MARGIN
 
-    table = LEAVE_ONE_SOURCE_OUT.get(o.case.source_id, RESIDUAL_P90)
+    table = LEAVE_ONE_SOURCE_OUT.get(o.case.source_id, RESIDUAL_MARGIN)
     return int(o.predicted_bytes * (1 + margin(o.case.plan, table, figure=o.case.metric)))
 
 

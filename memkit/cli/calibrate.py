@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memkit import profile
+    from memkit.estimate.bounds import QUANTILE_LABEL
     from memkit.spec.stack import Stack
 
     path = profile.profile_path()
@@ -41,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
         stack = Stack(**{k: v for k, v in entry["stack"].items() if k in Stack.__dataclass_fields__})
         table, n = profile.margins(entry["device"], stack, path)
         shown = ", ".join(f"{k} +{v:.1%}" for k, v in sorted(table.items()))
-        print(f"  {key}: {n} runs; p90 under-prediction {shown or '-'}")
+        print(f"  {key}: {n} runs; {QUANTILE_LABEL} under-prediction {shown or '-'}")
     return 0

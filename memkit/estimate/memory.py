@@ -26,7 +26,7 @@ from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
                                                  one_gradient_states)
-from memkit.estimate.bounds import QUANTILE, margin
+from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
 from memkit.estimate.quantized import base_bytes, dequantized_weight_bytes
@@ -84,16 +84,17 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
 
 def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = "cuda",
                       table: dict[str, float] | None = None, basis: str = "") -> MemoryEstimate:
-    """`est` with its upper bounds: + the p90 margin for each figure (estimate/bounds.py;
+    """`est` with its upper bounds: + the QUANTILE margin for each figure (estimate/bounds.py;
     `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
     not cache and memkit is exact to a few %: the bounds equal the prediction."""
     priced = device == "cuda" or table is not None
     m = margin(plan, table, figure="nvidia_smi") if priced else 0.0  # reserved and nvidia-smi
     m_alloc = margin(plan, table, figure="allocated") if priced else 0.0
     if not basis and table is None:
-        from memkit.estimate.residuals_table import NUM_ROWS
-        basis = (f"p{int(QUANTILE * 100)} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
-                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}") if device == "cuda" \
+        from memkit.estimate.residuals_table import LOSO_COVERAGE, NUM_ROWS
+        basis = (f"{QUANTILE_LABEL} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
+                 f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}; covers "
+                 f"{LOSO_COVERAGE:.0%} of a held-out source's runs") if device == "cuda" \
             else "CPU: exact replay"
     notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:

@@ -26,12 +26,12 @@ class MemoryEstimate:
     nvme_bytes_per_node: int = 0
     notes: tuple[str, ...] = field(default=())
     allocated_peak_upper_bytes: int = 0
-    """allocated_peak_bytes plus the p90 margin of memkit's under-prediction for this kind of plan
+    """allocated_peak_bytes plus the margin (bounds.QUANTILE of memkit's under-prediction) for this kind of plan
     (estimate/bounds.py); reserved / nvidia-smi likewise."""
     reserved_peak_upper_bytes: int = 0
     nvidia_smi_peak_upper_bytes: int = 0
     upper_margin: float = 0.0
-    """The relative margin the upper bounds add (a p90 quantile, see upper_basis)."""
+    """The relative margin the upper bounds add (bounds.QUANTILE of the residuals, see upper_basis)."""
     upper_basis: str = ""
 
     @property

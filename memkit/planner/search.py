@@ -34,6 +34,7 @@ import bisect
 from dataclasses import dataclass, replace
 
 from memkit.errors import MemkitError, NoFeasiblePlan
+from memkit.estimate.bounds import QUANTILE_LABEL
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
 from memkit.parallel import split_name
@@ -145,7 +146,7 @@ class _Evaluator:
             self._cache[plan] = out
             return out
         device = device_peak_bytes(est) / self.budget
-        # The upper bound (prediction + p90 margin, estimate/bounds.py) must fit the device itself:
+        # The upper bound (prediction + the bounds.QUANTILE margin, estimate/bounds.py) must fit the device itself:
         # the headroom is what absorbs memkit's error.
         upper = est.nvidia_smi_peak_upper_bytes / hw.gpu.memory_bytes
         upper_fails = self.fit_upper and upper > 1.0 >= device
@@ -168,14 +169,14 @@ class _Evaluator:
         return estimate_step_time(self.request.model, plan, self.request.hardware)
 
 
-UPPER_BOUND_FALLBACK_NOTE = ("no plan keeps its p90 upper bound inside the device; chose the best plan whose "
+UPPER_BOUND_FALLBACK_NOTE = (f"no plan keeps its {QUANTILE_LABEL} upper bound inside the device; chose the best plan whose "
                              "prediction fits the budget -- it may run out of memory (see its upper bound)")
 
 
 def search(request: Request, *, estimator=None, num_alternatives: int = 4,
            num_rejections: int = 6) -> SearchResult:
     """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input. A plan
-    fits when its prediction is inside the budget and its p90 upper bound inside the device; when
+    fits when its prediction is inside the budget and its upper bound (estimate/bounds.py) inside the device; when
     no plan does both, the best one inside the budget is chosen and the result says so."""
     try:
         return _search(request, estimator=estimator, num_alternatives=num_alternatives,

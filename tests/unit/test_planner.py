@@ -28,7 +28,7 @@ def request(model: str, hardware: Hardware, global_batch: int, seq_len: int, **k
 def fits(req: Request, plan) -> bool:
     est = estimate_memory(req.model, plan, req.hardware)
     return (est.nvidia_smi_peak_bytes <= req.budget_bytes
-            and est.nvidia_smi_peak_upper_bytes <= req.hardware.gpu.memory_bytes  # the p90 bound fits the device
+            and est.nvidia_smi_peak_upper_bytes <= req.hardware.gpu.memory_bytes  # the upper bound fits the device
             and est.host_bytes_per_node <= req.hardware.host_ram_bytes_per_node
             and est.nvme_bytes_per_node <= req.hardware.nvme_bytes_per_node)
 

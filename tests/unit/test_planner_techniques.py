@@ -42,7 +42,7 @@ def test_fits_only_with_partial_checkpointing_gets_the_smallest_k_instead_of_an_
     assert 0 < k < req.model.total_layers and not _offloads(plan)
     # the smallest K: one block fewer does not fit the same plan
     fewer = estimate_memory(req.model, plan.with_(checkpointing=str(k - 1) if k > 1 else "none"), req.hardware)
-    # (the planner's fit rule: prediction inside the budget, p90 upper bound inside the device)
+    # (the planner's fit rule: prediction inside the budget, upper bound inside the device)
     assert (device_peak_bytes(fewer) > req.budget_bytes
             or fewer.nvidia_smi_peak_upper_bytes > req.hardware.gpu.memory_bytes)
     assert chosen.speed.step_time_s < search(request(loss="standard", checkpointing="full")).chosen.speed.step_time_s
