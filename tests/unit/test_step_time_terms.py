@@ -1,6 +1,6 @@
 """Hand-worked checks of the step-time terms added in session 3 (memkit/estimate/throughput.py,
-kernels.py): the multi-node ring over all of a node's NICs, the Hopper sustained clock, and
-torch 1.x's per-parameter optimizer loop."""
+kernels.py): the multi-node ring over all of a node's NICs, the Hopper sustained clock,
+torch 1.x's per-parameter optimizer loop, and GEMM tiles in waves of one per SM with split-K."""
 from __future__ import annotations
 
 import pytest
