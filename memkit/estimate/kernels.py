@@ -52,9 +52,39 @@ HBM_EFFICIENCY = 0.85
 reaches ~85-90 % (Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel
 programming models via BabelStream"; NVIDIA's own A100 copy figure ~1.4 of 1.55 TB/s)."""
 
-TILE = 128
-"""cuBLAS tensor-core thread-block tile edge: M and N round up to it (NVIDIA, "Matrix Multiplication
-Background User's Guide", Sec. "Tile quantization")."""
+WAVE_TILE = (256, 128, 64)
+"""cuBLAS's large tensor-core output tile (either orientation) and its K step: 256x128 output
+tiles with one thread block resident per SM (NVIDIA, "Matrix Multiplication Background User's
+Guide", Sec. 2.3 "Typical Tile Dimensions in cuBLAS and Performance" and Sec. 3.2 "Wave
+Quantization", whose example is an A100: 108 SMs, so a wave is 108 such tiles); K advances 64 per
+main-loop stage (cuBLAS's Ampere kernel names, e.g. ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_
+stages_64x3_tn, as profilers list them)."""
+
+
+def wave_quantization(gpu: GPU, m: float, n: float, k: float, *, batch: float = 1.0) -> tuple[float, int]:
+    """(share of the launched tile slots that do useful math, K slices) of one (batched) GEMM.
+
+    Tile quantization: m and n round up to whole tiles; wave quantization: the tiles run in waves of
+    one tile per SM, and the last, partial wave takes a whole wave's time (Matrix Multiplication
+    Background, Sec. 3.1-3.2). When all the tiles fill less than one wave, the K reduction is split
+    over more thread blocks (CUTLASS media/docs/efficient_gemm.md, "Split K - reduction across
+    threadblocks": for small problems "there are too few threadblocks to efficiently occupy the
+    entire GPU"), as many slices as fill the SMs, each at least one K stage deep. The catalog's
+    num_sms = 0 (unknown) prices tile quantization alone."""
+    tm, tn, tk = WAVE_TILE
+    best, best_split = 0.0, 1
+    for a, b in ((tm, tn), (tn, tm)):
+        tiles = batch * math.ceil(m / a) * math.ceil(n / b)
+        useful = batch * m * n / (tiles * a * b)
+        split = 1
+        if gpu.num_sms > 0:
+            if tiles < gpu.num_sms:
+                split = max(1, min(gpu.num_sms // int(tiles), int(k // tk)))
+            slots = math.ceil(tiles * split / gpu.num_sms) * gpu.num_sms
+            useful *= tiles * split / slots
+        if useful > best:
+            best, best_split = useful, split
+    return best, best_split
 
 
 def matmul_peak_flops(gpu: GPU, precision: str) -> float:
@@ -72,15 +102,22 @@ def matmul_efficiency(gpu: GPU, precision: str) -> float:
 
 
 def gemm_time_s(gpu: GPU, precision: str, m: float, n: float, k: float, *, batch: float = 1.0) -> float:
-    """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: the slower of its math (tile-quantised, at the
-    achievable matmul rate) and its HBM traffic (roofline, Williams et al. 2009)."""
+    """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: the slower of its math (tile- and wave-quantised,
+    at the achievable matmul rate) and its HBM traffic (roofline, Williams et al. 2009), plus a
+    split-K reduction where the tiles fill less than one wave (wave_quantization)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     elt = 4 if precision == "fp32" else 2
-    quant = (math.ceil(m / TILE) * TILE / m) * (math.ceil(n / TILE) * TILE / n) if precision != "fp32" else 1.0
-    math_s = batch * 2.0 * m * n * k * quant / (matmul_peak_flops(gpu, precision) * matmul_efficiency(gpu, precision))
-    bytes_s = batch * elt * (m * k + k * n + m * n) / (gpu.hbm_gbps * GB * HBM_EFFICIENCY)
-    return max(math_s, bytes_s)
+    hbm = gpu.hbm_gbps * GB * HBM_EFFICIENCY
+    if precision == "fp32":   # CUDA-core SGEMM: its tiles and waves are not modelled
+        useful, split = 1.0, 1
+    else:
+        useful, split = wave_quantization(gpu, m, n, k, batch=batch)
+    math_s = batch * 2.0 * m * n * k / useful / (matmul_peak_flops(gpu, precision) * matmul_efficiency(gpu, precision))
+    bytes_s = batch * elt * (m * k + k * n + m * n) / hbm
+    # split K: each slice writes an fp32 partial of C, a reduction kernel reads them and writes C
+    reduce_s = batch * (8 * split + elt) * m * n / hbm if split > 1 else 0.0
+    return max(math_s, bytes_s) + reduce_s
 
 
 def memory_time_s(gpu: GPU, num_bytes: float) -> float:

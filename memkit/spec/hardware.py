@@ -27,6 +27,9 @@ class GPU:
     arch: str = "ampere"
     """GPU generation (volta, turing, ampere, ada, hopper, cdna3): selects the achievable matmul and
     attention-kernel fractions of peak in memkit/estimate/kernels.py."""
+    num_sms: int = 0
+    """Streaming multiprocessors (datasheet / architecture whitepaper): a GEMM's tiles run in waves
+    of one per SM (memkit/estimate/kernels.py wave_quantization); 0 = unknown, not modelled."""
 
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for the matmul dtype a precision runs in (fp32 uses TF32 as PyTorch allows it)."""
@@ -91,7 +94,8 @@ def gpu_catalog() -> dict[str, GPU]:
             fp16_tflops=row["fp16_tflops"], bf16_tflops=row["bf16_tflops"],
             hbm_gbps=row["hbm_gbps"], intra_node_gbps=row["intra_node_gbps"],
             pcie_gbps=row["pcie_gbps"], cuda_context_bytes=row["cuda_context_mib"] * MIB,
-            aliases=tuple(row.get("aliases", ())), arch=row.get("arch", "ampere"))
+            aliases=tuple(row.get("aliases", ())), arch=row.get("arch", "ampere"),
+            num_sms=int(row.get("num_sms", 0)))
     return out
 
 

@@ -1,6 +1,6 @@
 """Hand-worked checks of the step-time terms added in session 3 (memkit/estimate/throughput.py,
-kernels.py): the multi-node ring over all of a node's NICs, the Hopper sustained clock, and
-torch 1.x's per-parameter optimizer loop."""
+kernels.py): the multi-node ring over all of a node's NICs, the Hopper sustained clock,
+torch 1.x's per-parameter optimizer loop, and GEMM tiles in waves of one per SM with split-K."""
 from __future__ import annotations
 
 import pytest
@@ -45,9 +45,10 @@ def test_deepspeed_stage0_allreduce_across_two_nodes_by_hand():
 
 
 def test_hopper_tensor_cores_run_at_the_power_limited_clock():
-    # 8192^3 bf16 on H100 SXM: MAMF share of 989.5 TFLOP/s (80.1 %) at 1575 of 1980 MHz
+    # 8192^3 bf16 on H100 SXM: MAMF share of 989.5 TFLOP/s (80.1 %) at 1575 of 1980 MHz; its
+    # 32 x 64 = 2048 tiles of 256x128 run in 16 waves of 132 SMs (2112 slots)
     t = kernels.gemm_time_s(H100, "bf16", 8192, 8192, 8192)
-    assert t == pytest.approx(2 * 8192**3 / (989.5e12 * 0.801 * 1575 / 1980))
+    assert t == pytest.approx(2 * 8192**3 / (989.5e12 * 0.801 * 1575 / 1980) * 2112 / 2048)
     counted = 4.0 * 8192 * 4096 * 32 * 128
     assert kernels.flash_attention_time_s(H100, "bf16", counted) == pytest.approx(
         counted / (989.5e12 * 0.35 * 1575 / 1980))
@@ -147,3 +148,23 @@ def test_checkpoint_recompute_stops_before_the_down_projection_from_torch_2_1():
         p = TrainingPlan(micro_batch_size=4, seq_len=512, checkpointing="full")
         assert (estimate_step_time(m, p, hw).components_s["recompute"]
                 == estimate_step_time(m, p, hw, stack=Stack(torch="2.0")).components_s["recompute"])
+
+
+def test_gemm_tiles_run_in_waves_of_one_per_sm_and_split_k_fills_a_short_wave():
+    from dataclasses import replace
+    assert (A100.num_sms, H100.num_sms) == (108, 132)   # catalog: NVIDIA A100 / H100 whitepapers
+    # MPT-13B attention output projection at micro 2 x 2048 on H100: M = 4096, N = 5120 ->
+    # 16 x 40 = 640 tiles of 256x128 (32 x 20 the other way round), 5 waves of 132 = 660 slots
+    assert kernels.wave_quantization(H100, 4096, 5120, 5120) == (pytest.approx(640 / 660), 1)
+    # its weight gradient in a 125M model: 768 x 768 from K = 65536 tokens is only 3 x 6 = 18 tiles,
+    # so K is split 108 // 18 = 6 ways to fill one wave of 108 A100 SMs
+    assert kernels.wave_quantization(A100, 768, 768, 65536) == (pytest.approx(1.0), 6)
+    t = kernels.gemm_time_s(A100, "bf16", 768, 768, 65536)
+    math_s = 2 * 768 * 768 * 65536 / (312e12 * 0.859 * 1305 / 1410)
+    reduce_s = (8 * 6 + 2) * 768 * 768 / (2039e9 * 0.85)   # 6 fp32 partials written + read, C written
+    assert t == pytest.approx(math_s + reduce_s)
+    # K too short to split: one K stage of 64 per slice at most (K = 128 -> 2 slices)
+    assert kernels.wave_quantization(A100, 768, 768, 128) == (pytest.approx(18 * 2 / 108), 2)
+    # a GPU of unknown SM count keeps tile quantization alone: N = 1000 pads to 1024
+    unknown = replace(A100, num_sms=0)
+    assert kernels.wave_quantization(unknown, 4096, 1000, 4096) == (pytest.approx(1000 / 1024), 1)
