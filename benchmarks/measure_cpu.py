@@ -119,6 +119,15 @@ SINGLE_ROWS = [
     _single("qwen2-bf16pure-sdpa", "qwen2", precision="bf16-pure"),
     _single("qwen2-fp32-sdpa-lora16-all", "qwen2", lora_rank=16,
             lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    # LoRA on every block linear x full checkpointing x bf16 autocast: peft's fp32 cast of the
+    # 16-bit inputs (o_proj, down_proj), the adapters' cached bf16 copies and the recompute's
+    # unsaved tensors at the widest LoRA'd linear (estimate/tape.py lora_linear).
+    *(_single(f"{name}-bf16-sdpa-lora16-all-ckpt", arch, precision="bf16", lora_rank=16, checkpointing="full",
+              lora_targets=targets) for name, arch, targets in (
+        ("llama", "llama-gqa", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        ("qwen2", "qwen2", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        ("neox", "gpt-neox", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
+        ("gpt2", "gpt2", ("c_attn", "c_proj", "c_fc")))),
     _single("neox-fp32-sdpa", "gpt-neox"),
     _single("neox-bf16-eager-ckpt", "gpt-neox", precision="bf16", attention="eager", checkpointing="full"),
     _single("neox-bf16pure-sdpa-lora8", "gpt-neox", precision="bf16-pure", lora_rank=8),

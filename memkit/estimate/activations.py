@@ -64,6 +64,10 @@ class BlockActivations:
     backward_transient_bytes: int
     """Gradient tensors alive while the block's backward runs (grad of hidden + widest intermediate)."""
     by_label: dict[str, int]
+    recompute_transient_bytes: int = 0
+    """Unsaved tensors alive at the recompute's widest LoRA'd linear (its input, peft's cast of
+    it, the dropout output, the base output) plus the residual the block's frame holds; 0 without
+    LoRA or for traced families (not priced there)."""
 
 
 def _linear_by_role(linears: tuple[Linear, ...]) -> dict[str, Linear]:
@@ -324,11 +328,13 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
         # rest; the trace does not tell them apart, so tp divides nothing (an upper bound).
         saved, labels, uses_scores = trace.block_saved_bytes, {"traced": trace.block_saved_bytes}, \
             trace.attention == "eager"
+        lora_live = 0
     else:
         replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
         replay.cross = spec.kind == "encoder-decoder" and not encoder
         replay.run(x)
         saved, labels, uses_scores = replay.tape.saved_bytes, dict(replay.tape.labels), replay.uses_scores
+        lora_live = replay.tape.lora_forward_live
     # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
     act = num.autocast or num.weight_itemsize
     widest = max(spec.intermediate_size // plan.tp * (2 if spec.gated_mlp else 1),
@@ -339,7 +345,8 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     if uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
-                            backward_transient_bytes=transient, by_label=labels)
+                            backward_transient_bytes=transient, by_label=labels,
+                            recompute_transient_bytes=lora_live + x.nbytes if lora_live else 0)
 
 
 def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):

@@ -219,6 +219,12 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
     if plan.is_quantized:  # 4-bit bases run bitsandbytes' matmul, which autocast does not cast (tape.py)
         autocast_copy = 0
+    # LoRA adapters are fp32 leaves that require grad (peft autocast_adapter_dtype=True), so autocast
+    # caches their low-dtype copies (aten/src/ATen/autocast_mode.cpp, cached_cast: leaf with
+    # requires_grad) and the adapter matmuls save them for the input's grad, like the bases' copies.
+    adapter_copy = (num.autocast * model.lora_params(plan.lora_rank, plan.lora_targets) // model.total_layers
+                    if num.autocast and plan.is_lora else 0)
+    autocast_copy += adapter_copy
     in_flight = _in_flight(plan, stage)
     # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why), plus
     # under selective checkpointing their matmul / attention outputs (estimate/techniques.py).
@@ -282,7 +288,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     fwd_grads = grads_end if accum_full else first_fwd_grads
     embed_saved = head.embedding_bytes * in_flight if first else 0
     # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
-    amp_cache = autocast_copy * k_ckpt if (num.autocast and ckpt and not plan.is_lora) else 0
+    amp_cache = (adapter_copy if plan.is_lora else autocast_copy) * k_ckpt if (num.autocast and ckpt) else 0
     landing = _landing(rp, st, plan, model)
     dequant = dequantized_weight_bytes(model, plan) if plan.is_quantized else 0  # one linear's, in backward
     if offload and num.autocast and not plan.is_lora:  # the cache stays on the GPU for the forward
@@ -317,6 +323,15 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
             current = per_layer + autocast_copy + blk.input_bytes
         else:
             current = full_block
+        if j < k_ckpt and blk.recompute_transient_bytes:
+            # The recompute's last moments, before block j's backward starts: its whole tape, the
+            # grad of its output, and the unsaved tensors at its widest LoRA'd linear
+            # (torch/utils/checkpoint.py reruns the forward when backward first unpacks a saved tensor).
+            first_grads.append(grads_after(n_layers - 1 - j, held=False))
+            moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
+                            "activations": remaining + current,
+                            "recompute_temporaries": blk.recompute_transient_bytes + blk.input_bytes,
+                            "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
         first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,

@@ -44,6 +44,8 @@ class Tape:
     saved: dict[int, int] = field(default_factory=dict)
     labels: dict[str, int] = field(default_factory=dict)
     label: str = "other"
+    lora_forward_live: int = 0
+    """Most bytes a LoRA'd linear holds unsaved while its adapter runs (see lora_linear)."""
 
     # -- bookkeeping -------------------------------------------------------
     def save(self, *tensors: Sym) -> None:
@@ -96,9 +98,16 @@ class Tape:
         A 4-bit base (peft/tuners/lora/bnb.py Linear4bit.forward) clones its output: a temporary."""
         base = (self.linear_4bit(x, out_numel) if base_4bit else
                 self.linear(x, out_numel, weight_grad=False, weight_itemsize=weight_itemsize))
-        xa = x if self.autocast else self.cast(x, adapter_itemsize)
+        # peft's Linear.forward casts x to the adapter's dtype (_cast_input_dtype) under autocast
+        # too, so a 16-bit input is upcast before the dropout (whose CPU noise then is fp32);
+        # its Linear4bit (peft/tuners/lora/bnb.py) casts only when autocast is off.
+        xa = x if (self.autocast and base_4bit) else self.cast(x, adapter_itemsize)
         xd = self.dropout(xa) if dropout else xa
         a = self.linear(xd, rank_numel, weight_grad=True, weight_itemsize=adapter_itemsize)
+        # Alive unsaved at lora_A's matmul (peft Linear.forward's locals): the base's output, the
+        # input and its cast, the dropout's output -- each unless autograd saved it (by identity).
+        live = {t.ident: t.nbytes for t in (base, x, xa, xd) if t.ident not in self.saved}
+        self.lora_forward_live = max(self.lora_forward_live, sum(live.values()))
         b = self.linear(a, out_numel, weight_grad=True, weight_itemsize=adapter_itemsize)
         return self.cast(self.add(base, b), base.itemsize)
 
