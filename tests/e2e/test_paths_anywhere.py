@@ -3,8 +3,8 @@
 - a preset launched from outside the repository: `memkit preset NAME --out DIR`, then the "Run it"
   command it prints, unchanged but for --max-steps, with the preset's hub id in the local HF cache;
 - the command in a `suggest --out` bundle's README, run from a different working directory, on a
-  ZeRO-3 plan: the saved weights are loaded under deepspeed.zero.Init (step 1's loss is the saved
-  model's loss on step 1's batch).
+  ZeRO-3 plan, with a chat (`messages`) data set: the saved weights are loaded under
+  deepspeed.zero.Init (step 1's loss is the saved model's loss on step 1's batch, assistant tokens only).
 
 One process each (the plans are 1-GPU plans): cheap."""
 from __future__ import annotations
@@ -43,6 +43,13 @@ def _text_data(path: Path, num_bytes: int) -> None:
         while handle.tell() < num_bytes:
             handle.write(json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 8}) + "\n")
             i += 1
+
+
+def _chat_data(path: Path, num_records: int) -> None:
+    with open(path, "w") as handle:
+        for i in range(num_records):
+            handle.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                  {"role": "assistant", "content": f"{2 * i}."}]}) + "\n")
 
 
 def _run_printed(command: str, *, cwd: Path, extra: list[str], environ: dict) -> subprocess.CompletedProcess:
@@ -105,13 +112,14 @@ def test_suggest_readme_command_runs_from_another_directory(tmp_path):
     command = readme.split("```\n", 2)[1].strip()  # the main job, first code block
     assert command == _run_it(made.stdout)
     assert f"--model {planner / 'tiny'} --data train.jsonl --output-dir {planner / 'bundle' / 'run'}" in command
-    _text_data(user / "train.jsonl", 8 * 64)
+    _chat_data(user / "train.jsonl", 24)
     run = _run_printed(command, cwd=user, extra=["--max-steps", "2", "--no-progress"], environ=env())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert f"finetune: weights: pretrained weights from {planner / 'tiny'}" in run.stderr
     log = read_log(planner / "bundle" / "run")
     start = events(log, "start")[0]
     assert start["plan"]["zero_stage"] == 3 and len(events(log, "step")) == 2
+    assert start["data"]["kind"] == "chat"
     micro, accum = start["plan"]["micro_batch_size"], start["plan"]["grad_accum"]
     expected = _loss_of_step_1(planner / "tiny", user / "train.jsonl", seq_len=64, micro=micro, accum=accum)
     assert events(log, "step")[0]["loss"] == pytest.approx(expected, abs=1e-5)
