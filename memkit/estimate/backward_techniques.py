@@ -66,6 +66,20 @@ def offloaded_activation_bytes(spec: ModelSpec, plan: TrainingPlan, *, device: s
     return k * kept + (n - k) * full + head.saved_bytes + head_copy + ids
 
 
+def offloaded_loss_backward_saved(spec: ModelSpec, plan: TrainingPlan) -> int | None:
+    """With activation offload and the standard loss, the saved bytes on the GPU at the loss
+    backward's peak (log_softmax's backward): only the fp32 log-probs that node unpacks
+    (torch/csrc/autograd: a SavedVariable's unpack hook runs when its node applies, and the copy
+    dies when the node returns). The final norm's tensors, the lm_head input and under autocast
+    the head weight's 16-bit copy stay on the host until the head's own nodes run, after the
+    logits-sized gradients are freed. Measured with the hook (benchmarks/measure_cpu_backward.py):
+    unpacked copies + gradients = 3 x tokens x V x 4 bytes at that node. None: not offloaded, or
+    a chunked / fused loss (not measured with offload; priced as without it)."""
+    if not offloads_activations(plan) or plan.loss != "standard":
+        return None
+    return plan.micro_batch_size * plan.seq_len * spec.vocab_size * 4
+
+
 def activation_offload_transfer_s(spec: ModelSpec, plan: TrainingPlan, pcie_gbps: float) -> float:
     """PCIe seconds per micro-step: the moved bytes out in forward and back in backward."""
     return 2 * offloaded_activation_bytes(spec, plan) / (pcie_gbps * GB)
