@@ -45,6 +45,16 @@ def autocast_copy_bytes(spec: ModelSpec, plan: TrainingPlan) -> int:
         for lin in spec.layer_linears if not lin.role.startswith("expert"))
 
 
+def largest_autocast_copy_bytes(spec: ModelSpec, plan: TrainingPlan) -> int:
+    """One linear's 16-bit weight copy (the largest of a block), which its matmul saved and its
+    backward node unpacks beside the input under activation offload (0 without autocast)."""
+    num = numerics(plan)
+    if not num.autocast:
+        return 0
+    return num.autocast * max((lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
+                               for lin in spec.layer_linears if not lin.role.startswith("expert")), default=0)
+
+
 def offloads_activations(plan: TrainingPlan) -> bool:
     return plan.offload_activations != "none"
 

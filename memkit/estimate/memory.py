@@ -25,7 +25,7 @@ from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
-                                                 offloaded_loss_backward_saved,
+                                                 largest_autocast_copy_bytes, offloaded_loss_backward_saved,
                                                  one_gradient_states)
 from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
@@ -322,8 +322,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
         # with activation offload the blocks below live on the host
         remaining = (0 if offload else kept_one(j) + (in_flight - 1) * kept_one(n_layers)) + embed_saved
+        transient = blk.backward_transient_bytes
         if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
+        elif offload and blk.offloaded_backward_bytes is not None:
+            # each node's saved tensors come back when it runs and go when it returns: the widest
+            # node's, with the gradients in flight (estimate/activations.py), and one weight copy
+            current, transient = 0, blk.offloaded_backward_bytes + largest_autocast_copy_bytes(model, plan)
         else:
             current = full_block
         if j < k_ckpt and blk.recompute_transient_bytes:
@@ -338,7 +343,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
-                        "backward_temporaries": blk.backward_transient_bytes + landing
+                        "backward_temporaries": transient + landing
                         - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
                         "dequantized_weight": dequant,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})

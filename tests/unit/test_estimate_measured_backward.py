@@ -3,8 +3,7 @@
 GPT-NeoX. tests/golden/cpu_measurements_backward.json is written by
 `python benchmarks/measure_cpu_backward.py --out tests/golden/cpu_measurements_backward.json`
 (the runner's own hooks: memkit/train/backward_techniques.py; offload measured with a store the
-tracker does not see, i.e. the device side). Same tolerance as tests/unit/test_estimate_measured.py,
-except the rows in OVER_PREDICTED, stated with their measured error.
+tracker does not see, i.e. the device side). Same tolerance as tests/unit/test_estimate_measured.py.
 """
 from __future__ import annotations
 
@@ -22,15 +21,6 @@ from memkit.spec.hf import spec_from_config
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements_backward.json"
 TOLERANCE = 0.05
 ROWS = json.loads(GOLDEN.read_text())["rows"]
-OVER_PREDICTED = {"gpt2-fp32-sdpa-sgd-micro4-offload": 0.108}
-"""Known over-predictions (estimate / measured - 1, measured): with offload the estimator puts a
-whole block's saved tensors back on the device for its backward plus that block's gradient
-temporaries; the hook unpacks each tensor when its node runs and the node frees it, so fewer
-coexist. Measured (autograd node hooks + allocation sites): GPT-2 micro 4 peaks in block 0's
-PowBackward0 (gelu_new's x**3) with 4.2 MB of unpacked copies but 28.3 MB of other backward
-tensors, not the 32.5 MB tape + 6.3 MB temporaries priced. Conservative, not fitted."""
-
-
 MOVED_OVER_PREDICTED = {"qwen2-bf16-sdpa-lora8-offload": 0.053}
 """Offloaded bytes over the pack hook's by more than 5 % (measured): autocast with frozen LoRA
 bases, where the block tape's saved bytes for the bf16 casts run 1.6 MB (4 blocks) above what the
@@ -49,11 +39,8 @@ def test_backward_technique_estimate_within_tolerance_of_measured_peak(row):
     spec, plan, est = _estimate(row)
     peak = row["measured"]["peak_bytes"]
     error = est.allocated_peak_bytes / peak - 1
-    if row["id"] in OVER_PREDICTED:
-        assert error == pytest.approx(OVER_PREDICTED[row["id"]], abs=0.005), row["id"]
-    else:
-        assert abs(error) <= TOLERANCE, (
-            f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs {peak}")
+    assert abs(error) <= TOLERANCE, (
+        f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs {peak}")
     assert est.num_trainable_params == row["num_trainable_params"]
 
 
