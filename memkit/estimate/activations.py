@@ -255,8 +255,8 @@ class _BlockReplay:
             # 0.5*x, of the add, and pow's incoming one, held in input buffers until x's node
             # runs; torch/csrc/autograd/input_buffer.cpp) plus pow_backward's unpacked x and its
             # three results x**2, 3*x**2, grad*3*x**2 (torch/csrc/autograd/FunctionsManual.cpp
-            # pow_backward). Measured with autograd node hooks on GPT-2 (benchmarks/measure_cpu_backward.py
-            # rows gpt2-*-offload): the backward peak is this node's, 7 x the input's bytes.
+            # pow_backward). Measured on GPT-2 with activation offload (benchmarks/offload_backward_nodes.py
+            # --row gpt2-fp32-sdpa-sgd-micro4-offload): the backward peaks in this node, 7 x x's bytes.
             xin = tape._fp32_op(x)
             tape.python_gelu_backward_bytes = max(tape.python_gelu_backward_bytes,
                                                   3 * x.nbytes + 4 * xin.nbytes)

@@ -82,8 +82,8 @@ def offloaded_loss_backward_saved(spec: ModelSpec, plan: TrainingPlan) -> int | 
     (torch/csrc/autograd: a SavedVariable's unpack hook runs when its node applies, and the copy
     dies when the node returns). The final norm's tensors, the lm_head input and under autocast
     the head weight's 16-bit copy stay on the host until the head's own nodes run, after the
-    logits-sized gradients are freed. Measured with the hook (benchmarks/measure_cpu_backward.py):
-    unpacked copies + gradients = 3 x tokens x V x 4 bytes at that node. None: not offloaded, or
+    logits-sized gradients are freed. Measured (benchmarks/offload_backward_nodes.py --row
+    qwen2-bf16-sdpa-lora8-offload): unpacked copies + gradients = 3 x tokens x V x 4 bytes there. None: not offloaded, or
     a chunked / fused loss (not measured with offload; priced as without it)."""
     if not offloads_activations(plan) or plan.loss != "standard":
         return None
