@@ -303,10 +303,12 @@ class _BlockReplay:
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
-                      encoder: bool | None = None, device: str = "cuda") -> BlockActivations:
+                      encoder: bool | None = None, device: str = "cuda",
+                      input_requires_grad: bool = True) -> BlockActivations:
     """Saved bytes of one block for one micro-batch on one rank. An encoder-decoder model's blocks
     differ (the decoder's cross-attention): `encoder` picks one; None gives their mean over the model,
-    which the phase walk multiplies by the layer count."""
+    which the phase walk multiplies by the layer count. `input_requires_grad=False`: the first
+    block behind a frozen embedding (see first_block_input_frozen)."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
     if encoder is None and spec.num_encoder_layers and not spec.traced:
@@ -338,7 +340,7 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
                                 by_label={k: v // t for k, v in whole.by_label.items()},
                                 offloaded_backward_bytes=None if whole.offloaded_backward_bytes is None
                                 else whole.offloaded_backward_bytes // t)
-    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
+    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, input_requires_grad)
     trace = _trace(spec, plan, b, device) if spec.traced else None
     if spec.traced and trace is None:
         return block_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)

@@ -73,7 +73,22 @@ def offloaded_activation_bytes(spec: ModelSpec, plan: TrainingPlan, *, device: s
     head_copy = (num.autocast * spec.vocab_size * spec.hidden_size
                  if num.autocast and plan.loss == "standard" else 0)
     ids = plan.micro_batch_size * plan.seq_len * 8  # the embedding saves the int64 ids
+    if k == 0 and first_block_input_frozen(spec, plan):  # block 0 saves less (see there)
+        first = block_activations(spec, plan, device=device, input_requires_grad=False)
+        return first.saved_bytes + autocast_copy_bytes(spec, plan) + (n - 1) * full \
+            + head.saved_bytes + head_copy + ids
     return k * kept + (n - k) * full + head.saved_bytes + head_copy + ids
+
+
+def first_block_input_frozen(spec: ModelSpec, plan: TrainingPlan) -> bool:
+    """LoRA on a plain (not 4-bit) decoder: the embedding is frozen and nothing makes its output
+    require grad (peft's enable_input_require_grads runs only in prepare_model_for_kbit_training),
+    so block 0's input norm and the LoRA dropouts reading it save nothing (autograd saves `other`
+    for a mul only if `self` requires grad: tools/autograd/derivatives.yaml). Measured: the pack
+    hook's bytes (benchmarks/measure_cpu_backward.py, llama/qwen2 lora8 offload rows) are the tape's
+    minus block 0's input norm and its two dropout noises. Not used where block 0 is checkpointed
+    (its kept input is what moves) or for traced families (no tape replay)."""
+    return plan.is_lora and not plan.is_quantized and spec.kind == "decoder" and not spec.traced
 
 
 def offloaded_loss_backward_saved(spec: ModelSpec, plan: TrainingPlan) -> int | None:
