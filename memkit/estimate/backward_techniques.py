@@ -98,8 +98,8 @@ def offloaded_loss_backward_saved(spec: ModelSpec, plan: TrainingPlan) -> int | 
     dies when the node returns). The final norm's tensors, the lm_head input and under autocast
     the head weight's 16-bit copy stay on the host until the head's own nodes run, after the
     logits-sized gradients are freed. Measured (benchmarks/offload_backward_nodes.py --row
-    qwen2-bf16-sdpa-lora8-offload): unpacked copies + gradients = 3 x tokens x V x 4 bytes there. None: not offloaded, or
-    a chunked / fused loss (not measured with offload; priced as without it)."""
+    qwen2-bf16-sdpa-lora8-offload): unpacked copies + gradients = 3 x tokens x V x 4 bytes there.
+    None: not offloaded, or a chunked / fused loss (not measured with offload; priced as without it)."""
     if not offloads_activations(plan) or plan.loss != "standard":
         return None
     return plan.micro_batch_size * plan.seq_len * spec.vocab_size * 4
