@@ -64,6 +64,11 @@ class BlockActivations:
     backward_transient_bytes: int
     """Gradient tensors alive while the block's backward runs (grad of hidden + widest intermediate)."""
     by_label: dict[str, int]
+    offloaded_backward_bytes: int | None = None
+    """With activation offload, the most bytes the block's backward holds at one autograd node:
+    the gradients in flight and that node's unpacked saved tensors (each unpack hook returns a
+    copy that dies when the node returns; the other nodes' tensors are on the host or freed).
+    None where the tape is not replayed (traced families): then saved + transient bytes."""
     recompute_transient_bytes: int = 0
     """Unsaved tensors alive at the recompute's widest LoRA'd linear (its input, peft's cast of
     it, the dropout output, the base output) plus the residual the block's frame holds; 0 without
@@ -246,6 +251,15 @@ class _BlockReplay:
         if act in _PYTHON_GELU:
             # 0.5*x*(1+tanh(c*(x+0.044715*pow(x,3)))) (transformers/activations.py NewGELUActivation)
             tape.pow(x)
+            # Its backward's widest node is PowBackward0: three gradients of x in flight (of
+            # 0.5*x, of the add, and pow's incoming one, held in input buffers until x's node
+            # runs; torch/csrc/autograd/input_buffer.cpp) plus pow_backward's unpacked x and its
+            # three results x**2, 3*x**2, grad*3*x**2 (torch/csrc/autograd/FunctionsManual.cpp
+            # pow_backward). Measured on GPT-2 with activation offload (benchmarks/offload_backward_nodes.py
+            # --row gpt2-fp32-sdpa-sgd-micro4-offload): the backward peaks in this node, 7 x x's bytes.
+            xin = tape._fp32_op(x)
+            tape.python_gelu_backward_bytes = max(tape.python_gelu_backward_bytes,
+                                                  3 * x.nbytes + 4 * xin.nbytes)
             inner = Sym(x.numel, tape._fp32_op(x).itemsize, x.requires_grad)
             th = tape.tanh(inner)
             one_plus = Sym(th.numel, th.itemsize, True)
@@ -289,10 +303,12 @@ class _BlockReplay:
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
-                      encoder: bool | None = None, device: str = "cuda") -> BlockActivations:
+                      encoder: bool | None = None, device: str = "cuda",
+                      input_requires_grad: bool = True) -> BlockActivations:
     """Saved bytes of one block for one micro-batch on one rank. An encoder-decoder model's blocks
     differ (the decoder's cross-attention): `encoder` picks one; None gives their mean over the model,
-    which the phase walk multiplies by the layer count."""
+    which the phase walk multiplies by the layer count. `input_requires_grad=False`: the first
+    block behind a frozen embedding (see first_block_input_frozen)."""
     num = numerics(plan)
     b = micro_batch_size or plan.micro_batch_size
     if encoder is None and spec.num_encoder_layers and not spec.traced:
@@ -306,7 +322,10 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
                                 backward_transient_bytes=max(enc.backward_transient_bytes,
                                                              dec.backward_transient_bytes),
                                 by_label={k: mean(enc.by_label.get(k, 0), dec.by_label.get(k, 0))
-                                          for k in {**enc.by_label, **dec.by_label}})
+                                          for k in {**enc.by_label, **dec.by_label}},
+                                offloaded_backward_bytes=None if None in (enc.offloaded_backward_bytes,
+                                                                          dec.offloaded_backward_bytes)
+                                else max(enc.offloaded_backward_bytes, dec.offloaded_backward_bytes))
     encoder = bool(encoder)
     tokens = b * plan.seq_len
     linears = spec.encoder_layer_linears if encoder else spec.layer_linears
@@ -318,8 +337,10 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
         t = plan.tp
         return BlockActivations(saved_bytes=whole.saved_bytes // t, input_bytes=whole.input_bytes // t,
                                 backward_transient_bytes=whole.backward_transient_bytes // t,
-                                by_label={k: v // t for k, v in whole.by_label.items()})
-    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, True)
+                                by_label={k: v // t for k, v in whole.by_label.items()},
+                                offloaded_backward_bytes=None if whole.offloaded_backward_bytes is None
+                                else whole.offloaded_backward_bytes // t)
+    x = Sym(tokens * spec.hidden_size, num.stream_itemsize, input_requires_grad)
     trace = _trace(spec, plan, b, device) if spec.traced else None
     if spec.traced and trace is None:
         return block_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
@@ -328,13 +349,14 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
         # rest; the trace does not tell them apart, so tp divides nothing (an upper bound).
         saved, labels, uses_scores = trace.block_saved_bytes, {"traced": trace.block_saved_bytes}, \
             trace.attention == "eager"
-        lora_live = 0
+        lora_live, offloaded = 0, None
     else:
         replay = _BlockReplay(spec, plan, num, tokens, plan.seq_len, linears, tp=plan.tp, device=device)
         replay.cross = spec.kind == "encoder-decoder" and not encoder
         replay.run(x)
         saved, labels, uses_scores = replay.tape.saved_bytes, dict(replay.tape.labels), replay.uses_scores
         lora_live = replay.tape.lora_forward_live
+        node_saved, gelu_bwd = replay.tape.node_saved_max, replay.tape.python_gelu_backward_bytes
     # A (non-sequence-parallel) TP rank keeps full hidden-sized tensors (Korthikanti Table 2).
     act = num.autocast or num.weight_itemsize
     widest = max(spec.intermediate_size // plan.tp * (2 if spec.gated_mlp else 1),
@@ -344,8 +366,11 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
     if uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
+    if trace is None:  # with offload: the widest node's unpacked tensors + the gradients in flight,
+        # or a Python GELU's pow node with the residual stream's gradient held beside it
+        offloaded = max(transient + node_saved, tokens * spec.hidden_size * num.stream_itemsize + gelu_bwd)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
-                            backward_transient_bytes=transient, by_label=labels,
+                            backward_transient_bytes=transient, by_label=labels, offloaded_backward_bytes=offloaded,
                             recompute_transient_bytes=lora_live + x.nbytes if lora_live else 0)
 
 

@@ -45,6 +45,16 @@ def autocast_copy_bytes(spec: ModelSpec, plan: TrainingPlan) -> int:
         for lin in spec.layer_linears if not lin.role.startswith("expert"))
 
 
+def largest_autocast_copy_bytes(spec: ModelSpec, plan: TrainingPlan) -> int:
+    """One linear's 16-bit weight copy (the largest of a block), which its matmul saved and its
+    backward node unpacks beside the input under activation offload (0 without autocast)."""
+    num = numerics(plan)
+    if not num.autocast:
+        return 0
+    return num.autocast * max((lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
+                               for lin in spec.layer_linears if not lin.role.startswith("expert")), default=0)
+
+
 def offloads_activations(plan: TrainingPlan) -> bool:
     return plan.offload_activations != "none"
 
@@ -63,7 +73,36 @@ def offloaded_activation_bytes(spec: ModelSpec, plan: TrainingPlan, *, device: s
     head_copy = (num.autocast * spec.vocab_size * spec.hidden_size
                  if num.autocast and plan.loss == "standard" else 0)
     ids = plan.micro_batch_size * plan.seq_len * 8  # the embedding saves the int64 ids
+    if k == 0 and first_block_input_frozen(spec, plan):  # block 0 saves less (see there)
+        first = block_activations(spec, plan, device=device, input_requires_grad=False)
+        return first.saved_bytes + autocast_copy_bytes(spec, plan) + (n - 1) * full \
+            + head.saved_bytes + head_copy + ids
     return k * kept + (n - k) * full + head.saved_bytes + head_copy + ids
+
+
+def first_block_input_frozen(spec: ModelSpec, plan: TrainingPlan) -> bool:
+    """LoRA on a plain (not 4-bit) decoder: the embedding is frozen and nothing makes its output
+    require grad (peft's enable_input_require_grads runs only in prepare_model_for_kbit_training),
+    so block 0's input norm and the LoRA dropouts reading it save nothing (autograd saves `other`
+    for a mul only if `self` requires grad: tools/autograd/derivatives.yaml). Measured: the pack
+    hook's bytes (benchmarks/measure_cpu_backward.py, llama/qwen2 lora8 offload rows) are the tape's
+    minus block 0's input norm and its two dropout noises. Not used where block 0 is checkpointed
+    (its kept input is what moves) or for traced families (no tape replay)."""
+    return plan.is_lora and not plan.is_quantized and spec.kind == "decoder" and not spec.traced
+
+
+def offloaded_loss_backward_saved(spec: ModelSpec, plan: TrainingPlan) -> int | None:
+    """With activation offload and the standard loss, the saved bytes on the GPU at the loss
+    backward's peak (log_softmax's backward): only the fp32 log-probs that node unpacks
+    (torch/csrc/autograd: a SavedVariable's unpack hook runs when its node applies, and the copy
+    dies when the node returns). The final norm's tensors, the lm_head input and under autocast
+    the head weight's 16-bit copy stay on the host until the head's own nodes run, after the
+    logits-sized gradients are freed. Measured (benchmarks/offload_backward_nodes.py --row
+    qwen2-bf16-sdpa-lora8-offload): unpacked copies + gradients = 3 x tokens x V x 4 bytes there.
+    None: not offloaded, or a chunked / fused loss (not measured with offload; priced as without it)."""
+    if not offloads_activations(plan) or plan.loss != "standard":
+        return None
+    return plan.micro_batch_size * plan.seq_len * spec.vocab_size * 4
 
 
 def activation_offload_transfer_s(spec: ModelSpec, plan: TrainingPlan, pcie_gbps: float) -> float:

@@ -25,6 +25,7 @@ from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
+                                                 largest_autocast_copy_bytes, offloaded_loss_backward_saved,
                                                  one_gradient_states)
 from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
@@ -273,6 +274,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     base.update({prefix + name: value for name, value in st.buffers.items()})
     # A pipeline's last stage computes each in-flight micro-batch's loss in its forward.
     head_saved = (head.saved_bytes + head_copy) * in_flight if last else 0
+    offloaded_loss = offloaded_loss_backward_saved(model, plan)  # log-probs only, under offload
+    loss_bwd_saved = head_saved if offloaded_loss is None else (offloaded_loss * in_flight if last else 0)
     # Receive buffers, stage outputs and pending sends of torch.distributed.pipelining (pipeline.py).
     logits_bytes = stage_logits_bytes(plan, vocab_size=model.vocab_size, itemsize=num.autocast or num.weight_itemsize)
     pipe = stage_buffers(plan, stage, in_flight=in_flight, boundary_bytes=blk.input_bytes, logits_bytes=logits_bytes)
@@ -313,14 +316,19 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         first_grads.append(grads_after(0, held=False) if head_grad_lands_early(plan) else first_fwd_grads)
         moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
                         "activations": on_gpu_below(n_layers) + embed_saved,
-                        loss_component(plan): head_saved + head.backward_peak_bytes,
+                        loss_component(plan): loss_bwd_saved + head.backward_peak_bytes,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
     for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
         # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
         # with activation offload the blocks below live on the host
         remaining = (0 if offload else kept_one(j) + (in_flight - 1) * kept_one(n_layers)) + embed_saved
+        transient = blk.backward_transient_bytes
         if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
             current = per_layer + autocast_copy + blk.input_bytes
+        elif offload and blk.offloaded_backward_bytes is not None:
+            # each node's saved tensors come back when it runs and go when it returns: the widest
+            # node's, with the gradients in flight (estimate/activations.py), and one weight copy
+            current, transient = 0, blk.offloaded_backward_bytes + largest_autocast_copy_bytes(model, plan)
         else:
             current = full_block
         if j < k_ckpt and blk.recompute_transient_bytes:
@@ -335,7 +343,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         first_grads.append(grads_after(n_layers - 1 - j, held=False))
         moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
                         "activations": remaining + current,
-                        "backward_temporaries": blk.backward_transient_bytes + landing
+                        "backward_temporaries": transient + landing
                         - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
                         "dequantized_weight": dequant,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})

@@ -46,9 +46,16 @@ class Tape:
     label: str = "other"
     lora_forward_live: int = 0
     """Most bytes a LoRA'd linear holds unsaved while its adapter runs (see lora_linear)."""
+    node_saved_max: int = 0
+    """Most bytes one autograd node saves (one save() call is one node): what its backward
+    unpacks at once under activation offload (each unpack hook returns a fresh copy)."""
+    python_gelu_backward_bytes: int = 0
+    """Most bytes a Python-written tanh GELU's backward holds at its pow node (see
+    activations.py _BlockReplay._activation); 0 without one."""
 
     # -- bookkeeping -------------------------------------------------------
     def save(self, *tensors: Sym) -> None:
+        self.node_saved_max = max(self.node_saved_max, sum(t.nbytes for t in tensors))
         for t in tensors:
             if t.ident not in self.saved:
                 self.saved[t.ident] = t.nbytes
@@ -115,10 +122,7 @@ class Tape:
         return Sym(max(a.numel, b.numel), max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
 
     def mul(self, a: Sym, b: Sym) -> Sym:
-        if a.requires_grad:
-            self.save(b)
-        if b.requires_grad:
-            self.save(a)
+        self.save(*([b] if a.requires_grad else []), *([a] if b.requires_grad else []))  # one MulBackward0
         return Sym(max(a.numel, b.numel), max(a.itemsize, b.itemsize), a.requires_grad or b.requires_grad)
 
     def scale(self, a: Sym) -> Sym:
