@@ -54,8 +54,9 @@ def test_preset_files_agree_with_each_other(name):
     expected = [f for f in FILES if (f != "ds_config.json" or plan["engine"] == "deepspeed")
                 and (f != "adapter_config.json" or plan["lora_rank"] > 0)]
     assert sorted(p.name for p in folder.iterdir()) == sorted(expected)
-    if plan["engine"] != "deepspeed":  # a pipeline plan: a plain multi-process launch
-        assert acc["distributed_type"] == "MULTI_GPU" and "deepspeed_config" not in acc
+    if plan["engine"] != "deepspeed":  # a pipeline plan or a 4-bit base: a plain (multi-)process launch
+        processes = plan["dp"] * plan["tp"] * plan["pp"]
+        assert acc["distributed_type"] == ("MULTI_GPU" if processes > 1 else "NO") and "deepspeed_config" not in acc
         return
     ds = json.loads((folder / "ds_config.json").read_text())
     assert acc["deepspeed_config"]["deepspeed_config_file"] == f"presets/plans/{name}/ds_config.json"
