@@ -194,12 +194,14 @@ def versions() -> dict:
             "deepspeed": deepspeed.__version__, "peft": peft.__version__, "python": sys.version.split()[0]}
 
 
-def run_single(row: dict, num_steps: int) -> dict:
+def run_single(row: dict, num_steps: int, *, worker: Path = Path(__file__)) -> dict:
     """Measure one row in a fresh process, so nothing an earlier row created or patched (caches
-    made outside its tracker, allocator state) can change what this row counts."""
+    made outside its tracker, allocator state) can change what this row counts. `worker`: the
+    script whose `--single-worker ID` knows the row (measure_cpu_techniques/_qlora/_backward.py
+    pass themselves)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--single-worker", row["id"],
+        cmd = [sys.executable, str(worker.resolve()), "--single-worker", row["id"],
                "--steps", str(num_steps), "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)

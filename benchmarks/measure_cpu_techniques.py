@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         start = time.time()
         if row["kind"] == "single":
-            result = _run_single(row, args.steps)
+            result = base.run_single(row, args.steps, worker=Path(__file__))
         else:
             result = base.run_deepspeed(row, args.steps, port=args.port)
         by_id[row["id"]] = {"id": row["id"], "kind": row["kind"], "arch": row["arch"],
@@ -89,22 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     return 0
 
-
-def _run_single(row: dict, num_steps: int) -> dict:
-    """measure_cpu.run_single, with this script as the worker (so it finds these rows)."""
-    import os
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--single-worker", row["id"],
-               "--steps", str(num_steps), "--out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(base.REPO)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=base.REPO)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{row['id']}: worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
