@@ -385,7 +385,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                             for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
-    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
+    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager,
+                                      eager_nvls=habits.eager_nvls) if cuda else 0
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
