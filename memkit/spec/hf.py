@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from memkit.errors import MemkitError, did_you_mean
+from memkit.errors import MemkitError
 from memkit.presets_dir import presets_dir
 from memkit.spec.model import Block, Linear, ModelSpec
 

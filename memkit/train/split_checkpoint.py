@@ -33,9 +33,13 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memkit.errors import MemkitError
 from memkit.parallel import SPLIT_LIMITS
+
+if TYPE_CHECKING:   # annotations only; torch is imported where the functions run
+    import torch
 from memkit.train.checkpoint import STATE_FILE, CheckpointManager
 
 DCP_DIR = "dcp"
