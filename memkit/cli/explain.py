@@ -55,9 +55,26 @@ def _recheck(doc: dict) -> dict:
     document = PlanDocument(doc)
     hardware, plan = document.hardware(), document.plan
     model = load_model_spec(document.model)
-    est = estimate_memory(model, plan, hardware)
-    speed = estimate_step_time(model, plan, hardware)
+    stack = _recorded_stack(doc)
+    est = estimate_memory(model, plan, hardware, stack=stack)
+    speed = estimate_step_time(model, plan, hardware, stack=stack)
     return {"estimate": est.to_dict(), "step_time": speed.to_dict()}
+
+
+def _recorded_stack(doc: dict):
+    """The versions `suggest --stack` priced the plan for (plan.json "stack"), so a re-check prices
+    the same stack; None (the installed one) for a plan without it. A malformed entry is bad input."""
+    from memkit.errors import MemkitError
+    from memkit.spec.stack import PACKAGES, Stack
+
+    recorded = doc.get("stack")
+    if recorded is None:
+        return None
+    if not isinstance(recorded, dict) or set(recorded) - set(PACKAGES) or not all(
+            v is None or isinstance(v, str) for v in recorded.values()):
+        raise MemkitError(f"plan.json 'stack' {recorded!r} is not a map of {', '.join(PACKAGES)} to version "
+                          "strings; fix: rewrite it with `memkit suggest --stack ... --out DIR`")
+    return Stack(**recorded)
 
 
 def _render_check(doc: dict, check: dict) -> str:

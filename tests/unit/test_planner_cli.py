@@ -105,3 +105,30 @@ def test_explain_rejects_what_is_not_a_plan(tmp_path, capsys):
     assert code == 2 and "not a memkit plan.json" in err
     code, _, err = run_cli(["explain", str(tmp_path / "missing.json")], capsys)
     assert code == 2 and "no such file" in err
+
+
+def test_explain_check_reprices_the_stack_the_plan_was_priced_for(tmp_path, capsys):
+    # transformers < 4.46 shifts a contiguous copy of the logits (spec/stack.py): plan.json records
+    # the stack, and `explain --check` must price that stack again, not the installed one
+    out_dir = tmp_path / "old"
+    args = ["suggest", "--model", "llama-3.2-1b", "--gpu", "a100-80gb", "--global-batch-size", "8",
+            "--seq-len", "2048", "--stack", "transformers=4.40", "--out", str(out_dir), "--json"]
+    code, _, _ = run_cli(args, capsys)
+    assert code == 0
+    doc = json.loads((out_dir / "plan.json").read_text())
+    assert doc["stack"]["transformers"] == "4.40"
+    code, shown, _ = run_cli(["explain", str(out_dir / "plan.json"), "--check", "--json"], capsys)
+    assert code == 0
+    check = json.loads(shown)["check"]
+    assert check["estimate"]["allocated_peak_bytes"] == doc["estimate"]["allocated_peak_bytes"]
+    # without the record the installed stack is priced, which has no shifted copy
+    plain = dict(doc)
+    del plain["stack"]
+    (tmp_path / "plain.json").write_text(json.dumps(plain))
+    code, shown, _ = run_cli(["explain", str(tmp_path / "plain.json"), "--check", "--json"], capsys)
+    assert code == 0
+    assert json.loads(shown)["check"]["estimate"]["allocated_peak_bytes"] < doc["estimate"]["allocated_peak_bytes"]
+    # a malformed record is one line of bad input
+    (tmp_path / "bad.json").write_text(json.dumps({**doc, "stack": {"torch": 2}}))
+    assert main(["explain", str(tmp_path / "bad.json"), "--check"]) == 2
+    assert "plan.json 'stack'" in capsys.readouterr().err
