@@ -84,7 +84,7 @@ def _print_table(table: dict, *, title: str = "source") -> None:
         s = table[name]
         print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
               f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
-              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.0%} {s['kendall_tau']:+6.2f}")
+              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.1%} {s['kendall_tau']:+6.2f}")
 
 
 if __name__ == "__main__":

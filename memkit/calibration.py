@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations
+from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.result import MemoryEstimate
 from memkit.plan import TrainingPlan
@@ -104,7 +104,8 @@ class Case:
     stack: Stack | None = None
     """The source's software versions, as far as it states them (_SOURCE_STACKS)."""
     extra_bytes: int = 0
-    """Bytes a mechanism outside memkit's plans adds to the peak (torchtitan selective AC)."""
+    """Bytes a mechanism outside memkit's plans adds to the peak (torchtitan selective AC, lit-gpt's
+    per-chunk lm_head casts)."""
 
     @property
     def is_exact(self) -> bool:
@@ -167,6 +168,8 @@ def map_record(record: dict, *, configs_dir: Path) -> Case:
     plan, hardware, alternatives = _plan(record, model, approx)
     stack = _stack(record, approx)
     extra = _selective_ac_bytes(model, plan) if "selective" in record["activation_checkpointing"].lower() else 0
+    if any("lm_head computed in 128-token chunks" in e for e in record.get("extras", [])):
+        extra += _litgpt_head_cast_bytes(model, plan)
     if scope == "oom":
         kind, metric = "oom", "nvidia_smi"
         measured = hardware.gpu.memory_bytes
@@ -219,6 +222,35 @@ def _selective_ac_bytes(model: ModelSpec, plan: TrainingPlan) -> int:
     per_layer //= max(1, plan.tp)
     layers = -(-model.total_layers // plan.pp)
     return per_layer * layers
+
+
+# lit-gpt finetune/lora.py (0cc02af, Oct 2023: the resource tables' script) calls
+# model(input_ids, lm_head_chunk_size=128).
+_LITGPT_LM_HEAD_CHUNK = 128
+
+
+def litgpt_head_cast_bytes(*, seq_len: int, vocab_size: int, hidden_size: int, autocast_itemsize: int,
+                           chunk: int = _LITGPT_LM_HEAD_CHUNK) -> int:
+    """The 16-bit copies of a frozen fp32 lm_head weight that lit-gpt's chunked head keeps beyond
+    the one memkit's standard head prices. lit_gpt/lora.py GPT.forward runs
+    `[self.lm_head(x_i) for x_i in x.split(lm_head_chunk_size, dim=1)]`; under torch.autocast
+    (--precision bf16-mixed) each call casts the weight anew, since autocast caches only casts of
+    leaves that require grad (aten/src/ATen/autocast_mode.cpp, cached_cast), and each chunk's mm
+    saves its copy for the input's gradient until the loss backward reaches it. Measured on CPU
+    autocast (same cached_cast): tests/unit/test_calibration_mapping.py."""
+    chunks = -(-seq_len // chunk)
+    return (chunks - 1) * vocab_size * hidden_size * autocast_itemsize
+
+
+def _litgpt_head_cast_bytes(model: ModelSpec, plan: TrainingPlan) -> int:
+    """litgpt_head_cast_bytes for a mapped plan: only under autocast with the head frozen (LoRA).
+    Not with a 4-bit base: litgpt's QLoRA runs bf16-true (no autocast) with a 4-bit lm_head, whose
+    MatMul4Bit dequantises the weight per chunk and frees it after the matmul (_quantized_base)."""
+    num = numerics(plan)
+    if not (num.autocast and plan.is_lora) or plan.is_quantized:
+        return 0
+    return litgpt_head_cast_bytes(seq_len=plan.seq_len, vocab_size=model.vocab_size,
+                                  hidden_size=model.hidden_size, autocast_itemsize=num.autocast)
 
 
 def _is_qlora(record: dict) -> bool:

@@ -56,6 +56,10 @@ class ThroughputCase:
     reduce_itemsize: int | None = None
     """Bytes per gradient element as the source's framework reduces it, where that is not the
     gradient's dtype (_reduce_itemsize)."""
+    backward_prefetch: str = "pre"
+    compiled: bool = False
+    """The run wraps the model in torch.compile (the record's `compile`)."""
+    """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
@@ -87,7 +91,19 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
     plans, hardware = _plans(record, model, approx)
     stack = _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
-                          stack=stack, reduce_itemsize=_reduce_itemsize(record), approx=tuple(approx), **base)
+                          stack=stack, reduce_itemsize=_reduce_itemsize(record),
+                          backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
+                          approx=tuple(approx), **base)
+
+
+def _backward_prefetch(record: dict) -> str:
+    """Composer's FSDP defaults backward_prefetch to BACKWARD_POST (composer/trainer/dist_strategy.py
+    set_fsdp_default, v0.13 through 2024), and llm-foundry's benchmark sweep leaves it unset
+    (scripts/train/benchmarking/sweep.sh; submit_benchmarks.py sets it only when asked). Every other
+    FSDP source runs torch's / Accelerate's BACKWARD_PRE or FSDP2, which always prefetches."""
+    if record["source_id"] == "llm_foundry_benchmarks" and record["engine"] == "fsdp":
+        return "post"
+    return "pre"
 
 
 def _reduce_itemsize(record: dict) -> int | None:
@@ -187,7 +203,7 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     ac = (record.get("activation_checkpointing") or "none").lower()
     attention = _attention(record)
     if record.get("compile"):
-        approx.append("torch.compile (fused elementwise kernels) priced as eager kernels")
+        approx.append("torch.compile: fused norms priced, Inductor's other fusions priced as eager kernels")
     if any("async tp" in e.lower() for e in record.get("extras", [])):
         approx.append("async TP priced as synchronous TP")
     lora_kw = {}
@@ -256,7 +272,9 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
         return ThroughputOutcome(case=case)
     try:
         ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
-                                   reduce_itemsize=case.reduce_itemsize) for p in case.plans]
+                                   reduce_itemsize=case.reduce_itemsize,
+                                   backward_prefetch=case.backward_prefetch,
+                                   compiled=case.compiled) for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]

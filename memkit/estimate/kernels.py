@@ -131,6 +131,64 @@ def has_flash_kernel(gpu: GPU, precision: str) -> bool:
     return precision != "fp32" and gpu.arch in FLASH_ATTENTION_EFFICIENCY
 
 
-def flash_attention_time_s(gpu: GPU, precision: str, counted_flops: float) -> float:
-    rate = matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch] * sustained_clock_fraction(gpu)
+FLASH_ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+FLASH_ATTENTION_CURVES = {
+    # FlashAttention-2 forward + backward TFLOP/s by sequence length (the lengths above), read off
+    # the bars of Dao 2023's Figure 4 as the flash-attention repo ships it (Dao-AILab/flash-attention
+    # assets/flash2_a100_fwd_bwd_benchmark.png and assets/flash2_h100_fwd_bwd_benchmark.png @ 0251105a;
+    # batch x seq = 16k tokens, hidden 2048, bf16). Keyed (figure, causal, head dim). Two A100
+    # non-causal bars are hidden under the figure's legend (None): interpolated / held from their
+    # neighbours. Only the shape is used (flash_attention_length_factor): the level stays the
+    # paper's headline utilisation, FLASH_ATTENTION_EFFICIENCY.
+    ("a100", True, 64): (88, 119, 140, 156, 165, 171),
+    ("a100", True, 128): (99, 133, 155, 173, 182, 189),
+    ("a100", False, 64): (132, None, 162, 171, 175, 176),
+    ("a100", False, 128): (None, None, 187, 196, 201, 203),
+    ("h100", True, 64): (141, 192, 232, 257, 273, 284),
+    ("h100", True, 128): (163, 221, 265, 294, 308, 328),
+    ("h100", False, 64): (215, 254, 274, 288, 294, 296),
+    ("h100", False, 128): (248, 294, 320, 326, 335, 338),
+}
+FLASH_ATTENTION_FIGURE = {"ampere": "a100", "ada": "a100", "hopper": "h100", "cdna3": "h100"}
+"""Which measured figure a generation follows: Ada shares Ampere's SM design (as in
+MATMUL_EFFICIENCY); MI300X's flash kernels are not in the figures, the H100 shape is an assumption."""
+
+FLASH_BACKWARD_FLOP_RATIO = 2.5
+"""The flash backward does 2.5x the forward's matmul FLOPs: it recomputes the scores (Q K^T) and
+runs four more GEMMs (dV, dP, dQ, dK) against the forward's two (Dao 2023, Sec. 3.1.2 Algorithm 2;
+flash-attention benchmarks/benchmark_flash_attention.py counts bwd = 2.5 x fwd). MFU tables count
+the backward as 2x (memkit.estimate.flops), so of a fwd+bwd attention time the forward -- what a
+checkpoint recompute re-runs -- is 1/3.5 of it, not 1/3."""
+
+
+def _curve_at(points: tuple, seq_len: float) -> float:
+    known = [(math.log2(n), v) for n, v in zip(FLASH_ATTENTION_LENGTHS, points) if v is not None]
+    x = math.log2(max(seq_len, 1.0))
+    if x <= known[0][0]:
+        return known[0][1]
+    for (x0, v0), (x1, v1) in zip(known, known[1:]):
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return known[-1][1]       # beyond 16k the figures have flattened (8k -> 16k: +1 ... +6 %)
+
+
+def flash_attention_length_factor(gpu: GPU, seq_len: float, head_dim: float, causal: bool) -> float:
+    """The flash kernel's rate at this sequence length and head dim over its rate at 16k (the
+    long-sequence plateau the paper's headline utilisation describes): fewer query blocks per head
+    and, under a causal mask, a larger share of half-masked diagonal blocks slow short sequences
+    (Dao 2023, Sec. 4.1 and Figure 4). Head dims between 64 and 128 interpolate, outside clamp."""
+    fig = FLASH_ATTENTION_FIGURE[gpu.arch]
+    def at(d: int) -> float:
+        points = FLASH_ATTENTION_CURVES[(fig, causal, d)]
+        return _curve_at(points, seq_len) / _curve_at(points, FLASH_ATTENTION_LENGTHS[-1])
+    w = min(1.0, max(0.0, (head_dim - 64) / 64))
+    return (1 - w) * at(64) + w * at(128)
+
+
+def flash_attention_time_s(gpu: GPU, precision: str, counted_flops: float, *, seq_len: float = 16384,
+                           head_dim: float = 128, causal: bool = True) -> float:
+    """Forward + backward time of flash attention whose MFU-counted FLOPs (forward + 2x backward)
+    are counted_flops."""
+    rate = (matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch] * sustained_clock_fraction(gpu)
+            * flash_attention_length_factor(gpu, seq_len, head_dim, causal))
     return counted_flops / rate

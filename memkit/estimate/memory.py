@@ -385,13 +385,14 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
                             for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
-    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager) if cuda else 0
+    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager,
+                                      eager_nvls=habits.eager_nvls) if cuda else 0
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
     # on a reduction stream (deepspeed/runtime/zero/stage_1_and_2.py, reduction_stream).
     streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
-    chunks = {**_chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last),
+    chunks = {**_shard_chunks(_chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), timeline),
               "pipeline_buffers": (blk.input_bytes,), "pipeline_logits": (max(1, logits_bytes),)}
     events = moment_events(timeline, chunks, streams)
     stats = replay(events, AllocatorConfig(caching=cuda))
@@ -453,6 +454,30 @@ def _loss_work_moments(seq: list[dict[str, int]], i: int, key: str, forward_work
     post = {**f, "loss_forward_work": 0}
     b = {**bwd, key: bwd[key] - backward_work, "loss_forward_work": 0, "loss_backward_work": backward_work}
     return [*seq[:i], f, post, b, *seq[i + 2:]]
+
+
+SHARDED_COMPONENTS = ("weights", "master_weights", "optimizer_states", "optimizer_step_temporaries", "gradients")
+
+
+def _shard_chunks(chunks: dict[str, tuple[int, ...]], timeline: list[dict[str, int]]) -> dict[str, tuple[int, ...]]:
+    """Per-block tensors of a component that a rank holds only a share of (ZeRO / FSDP sharding,
+    LoRA's adapters) scaled to that share, so the replay allocates one tensor per block of the
+    size the rank really holds: FSDP's FlatParameter keeps each unit's 1/dp shard
+    (torch/distributed/fsdp/_flat_param.py), FSDP2 each parameter's DTensor local shard
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), and torch.optim creates a parameter's
+    states with its shape (torch/optim/adamw.py _init_group, zeros_like). Block-sized tensors in
+    place of shards would fill cached segments (freed logits, say) that the real shards, smaller
+    than the freed activations, never reach. The share is the component's most bytes live over
+    the step against one tensor per block."""
+    out = dict(chunks)
+    for name in SHARDED_COMPONENTS:
+        sizes = chunks.get(name)
+        most = max((m.get(name, 0) for m in timeline), default=0)
+        if not sizes or most <= 0 or most >= sum(sizes):
+            continue
+        share = most / sum(sizes)
+        out[name] = tuple(max(1, int(size * share)) for size in sizes)
+    return out
 
 
 def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckpt: bool, n_layers: int,

@@ -11,7 +11,7 @@ phase walk's allocated peak; what the allocator adds on top is rounding, unsplit
 cached segments that the next sizes cannot reuse.
 
 Granularity: parameters, gradients and optimizer states as one tensor per block (the embedding
-and head on their own); DeepSpeed's flat fp32 partitions as one tensor each
+and head on their own), of the size the rank holds where it holds a shard (memory.py _shard_chunks); DeepSpeed's flat fp32 partitions as one tensor each
 (deepspeed/runtime/zero/stage_1_and_2.py, single_partition_of_fp32_groups); a block's saved
 activations by region of the block (attention, MLP, norms -- the tape's labels), not per tensor.
 """

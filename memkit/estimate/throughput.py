@@ -251,9 +251,13 @@ def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int)
     if plan.attention in ("flash", "sdpa") and kernels.has_flash_kernel(gpu, prec):
         # No score matrix in HBM; the counted FLOPs are those of memkit.estimate.flops (4 T H Q s
         # forward, twice that backward, which recomputes the scores: Dao 2023, Sec. 3.1.2).
+        # Time of forward + backward at the kernel's rate for this length, split as the kernel's
+        # own FLOPs are (kernels.FLASH_BACKWARD_FLOP_RATIO).
         counted = 4.0 * tokens * s * heads * q
-        return _Pass(kernels.flash_attention_time_s(gpu, prec, counted),
-                     kernels.flash_attention_time_s(gpu, prec, 2 * counted), 2)
+        both = kernels.flash_attention_time_s(gpu, prec, 3 * counted, seq_len=s, head_dim=q,
+                                              causal=model.kind == "decoder")
+        fwd = both / (1 + kernels.FLASH_BACKWARD_FLOP_RATIO)
+        return _Pass(fwd, both - fwd, 2)
     # Eager: two batched GEMMs forward (Q K^T, P V), four backward, and the b x heads x s x s score
     # matrix through HBM: scale/mask, softmax (fp32 under autocast: torch autocast op list),
     # dropout, cast (transformers/models/bert/modeling_bert.py eager attention).
@@ -273,35 +277,51 @@ def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int)
     return _Pass(fwd, bwd, 8)
 
 
-def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int) -> _Pass:
+def eager_rmsnorm_bytes(res_bytes: int) -> int:
+    """HBM bytes per element of one eager RMSNorm forward, op by op as transformers'
+    LlamaRMSNorm.forward (and torchtitan's / litgpt's RMSNorm) run it, each op its own kernel:
+    x.to(float32) (r a, w 4; a no-op when x is fp32), pow(2) (r4 w4), mean(-1) (r4), x * rsqrt (r4 w4),
+    .to(input dtype) (r4 w a; a no-op for fp32), weight * x (r a w a). LayerNorm is one native
+    kernel (aten native_layer_norm: r + w), and so is an RMSNorm under torch.compile, whose Inductor
+    fuses the pointwise / reduction chain into one generated kernel (Ansel et al. 2024, "PyTorch 2",
+    Sec. 5: TorchInductor's fusion)."""
+    casts = 0 if res_bytes == 4 else 2 * (res_bytes + 4)
+    return casts + 8 + 4 + 8 + 2 * res_bytes
+
+
+def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int, *,
+                      compiled: bool = False) -> _Pass:
     """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
     backward reads input and gradient and writes a gradient, about twice the forward traffic.
     The residual stream is in the parameters' dtype: fp32 under torch AMP (the embedding output is
     fp32 and autocast runs layer_norm in fp32, torch autocast op reference), 16-bit when the model
     itself is 16-bit (DeepSpeed fp16/bf16, FSDP MixedPrecision, bf16-pure); matmul outputs and the
-    MLP activation are 16-bit under autocast."""
+    MLP activation are 16-bit under autocast. An eager RMSNorm is a chain of kernels
+    (eager_rmsnorm_bytes); compiled: the run uses torch.compile, which fuses it into one."""
     h = model.hidden_size / (plan.tp if plan.sequence_parallel else 1)
     i = model.intermediate_size / plan.tp
-    residual = (num_attn + 1) * (2 * h + 3 * h)          # a norm (r+w) and a residual add (2r+w) per sub-block
-    if model.hidden_dropout > 0:
-        residual += (num_attn + 1) * 2.5 * h             # dropout: r + w + 1-byte mask
+    res_bytes = 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
+    norm_bytes = (eager_rmsnorm_bytes(res_bytes) if model.norm_type == "rmsnorm" and not compiled
+                  else 2 * res_bytes)                    # one fused kernel: r + w
+    residual_bytes = (num_attn + 1) * (norm_bytes * h + 3 * h * res_bytes)   # a norm and a residual add (2r+w)
+    if model.hidden_dropout > 0:                         # per sub-block; dropout: r + w + 1-byte mask
+        residual_bytes += (num_attn + 1) * 2.5 * h * res_bytes
     act = 3 * i if model.gated_mlp else 2 * i            # act(gate) * up, or act(x)
     if model.position_embedding == "rope":
         act += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
-    res_bytes = 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
-    fwd = kernels.memory_time_s(gpu, (residual * res_bytes + act * _elt(plan)) * tokens)
+    fwd = kernels.memory_time_s(gpu, (residual_bytes + act * _elt(plan)) * tokens)
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
 def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
-                *, early_stop: bool = False) -> tuple[_Pass, _Pass]:
+                *, early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
     for lin in linears:
         total = total + _linear_pass(gpu, plan, model, lin, tokens)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
-    total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens)
+    total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled)
     recompute_s = total.fwd_s
     last = linears[-1] if linears else None
     if early_stop and last is not None and _output_unsaved(plan, model, last):
@@ -334,14 +354,17 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
 
 
 def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                   early_stop: bool = False) -> tuple[_Pass, float]:
+                   early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
-    checkpoint recompute stops after the block's last saved tensor (_output_unsaved)."""
-    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop)
+    checkpoint recompute stops after the block's last saved tensor (_output_unsaved); compiled: the
+    run uses torch.compile (_elementwise_pass)."""
+    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
+                                   compiled=compiled)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
-        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop)
+        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop,
+                                   compiled=compiled)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -352,7 +375,7 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, 
     recompute = fwd_only.fwd_s / plan.pp * share
     if plan.checkpointing == "selective":
         num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
-        recompute += (_elementwise_pass(gpu, plan, model, num_attn, tokens).fwd_s
+        recompute += (_elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled).fwd_s
                       * model.total_layers / plan.pp)
     if plan.loss == "chunked":
         v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
@@ -436,10 +459,11 @@ class _Comm:
 
 
 def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float, *,
-             reduce_itemsize: int | None = None) -> _Comm:
+             reduce_itemsize: int | None = None, backward_prefetch: str = "pre") -> _Comm:
     """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under;
     reduce_itemsize: bytes per gradient element as reduced, where the framework reduces in another
-    dtype than the gradient's (see estimate_step_time)."""
+    dtype than the gradient's; backward_prefetch: torch FSDP's BackwardPrefetch (see
+    estimate_step_time)."""
     dp = plan.dp
     if dp <= 1:
         return _Comm()
@@ -468,6 +492,12 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
         # DeepSpeed reduces on a side stream only with overlap_comm (its default for stage 3,
         # runtime/zero/config.py overlap_comm_valid).
         overlap_rs = torch_engine or plan.overlap_comm
+        if torch_engine and backward_prefetch == "post":
+            # BACKWARD_POST issues the next block's gather after the current block's gradient
+            # computation, which the next gradient computation then waits for: only the current
+            # reduce-scatter overlaps compute (torch/distributed/fsdp/api.py, BackwardPrefetch).
+            exposed = _overlapped(ag, fwd_s) + ag + _overlapped(rs3, bwd_s) + one_layer
+            return _Comm(micro_s=exposed)
         bwd_comm = ag + (rs3 if overlap_rs else 0.0)
         exposed = (_overlapped(ag, fwd_s) + _overlapped(bwd_comm, bwd_s) + 2 * one_layer
                    + (0.0 if overlap_rs else rs3))
@@ -551,26 +581,35 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 # ---- the step -----------------------------------------------------------------------------------
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
-                       stack: Stack | None = None, reduce_itemsize: int | None = None) -> StepTimeEstimate:
+                       stack: Stack | None = None, reduce_itemsize: int | None = None,
+                       backward_prefetch: str = "pre", compiled: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
     under 16-bit params: Composer's 'DEFAULT', torchtitan's default); None = the gradient's dtype,
     which is what memkit's own runs do (Accelerate sets reduce_dtype to the training dtype,
-    accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)."""
+    accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision).
+    `backward_prefetch`: torch FSDP's BackwardPrefetch for a fully sharded torch-engine run, "pre"
+    (BACKWARD_PRE: torch's and Accelerate's default, and what FSDP2 always does) or "post"
+    (BACKWARD_POST: Composer's default, composer/trainer/dist_strategy.py).
+    `compiled`: the run wraps the model in torch.compile (fused norms, _elementwise_pass); memkit's
+    own runs and the Trainer files it writes are eager."""
+    if backward_prefetch not in ("pre", "post"):
+        raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
     # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
     # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
     passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
-                                         early_stop=behaviour(stack).checkpoint_early_stop)
+                                         early_stop=behaviour(stack).checkpoint_early_stop, compiled=compiled)
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
     t_host = ops * OP_DISPATCH_S
 
-    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize)
+    dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
+                  backward_prefetch=backward_prefetch)
     off = _offload(plan, model, hardware, t_bwd + t_recompute)
 
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h

@@ -26,6 +26,11 @@ installed version). Behaviours, each with the version where it changed:
   2.0), so gradients stay allocated as zeros between steps and are live through the next forward
   and backward. The HF Trainer passes `set_to_none=True` for every torch from transformers 4.27
   (huggingface/transformers#22136); before that it called `model.zero_grad()`.
+- NCCL NVLS buffers (torch's NCCL): the torch 2.1-2.6 wheels pin nvidia-nccl-cu12 2.18.1-2.21.5
+  (pytorch/pytorch .github/scripts/generate_binary_build_matrix.py; e.g. torch 2.2.0 requires
+  nvidia-nccl-cu12==2.19.3), NCCL versions that map NVLS multicast buffers when a communicator is
+  created on an NVSwitch node (estimate/cuda_extras.py). torch 2.0 ships NCCL 2.14 (no NVLS);
+  torch >= 2.7 ships NCCL >= 2.26, which maps them only at the first collective that picks NVLS.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ LAZY_LOADING_TORCH = (1, 13)
 FOREACH_DEFAULT_TORCH = (2, 0)
 SET_TO_NONE_DEFAULT_TORCH = (2, 0)
 TRAINER_SET_TO_NONE = (4, 27)
+EAGER_NVLS_TORCH = ((2, 1), (2, 7))
+"""torch versions [from, to) whose NCCL maps NVLS buffers at communicator creation (see above)."""
 CHECKPOINT_EARLY_STOP_TORCH = (2, 1)
 """Non-reentrant torch.utils.checkpoint stops recomputing once the last saved tensor is back
 (pytorch/pytorch PR #96866, 2023-03, made early stop the default; torch/utils/checkpoint.py
@@ -117,6 +124,8 @@ class StackBehaviour:
     transformers >= 4.27 passes set_to_none=True)."""
     checkpoint_early_stop: bool = True
     """Non-reentrant checkpoint stops its recompute after the last saved tensor (torch >= 2.1)."""
+    eager_nvls: bool = False
+    """torch's NCCL maps NVLS buffers when a communicator is created (torch 2.1-2.6)."""
     notes: tuple[str, ...] = ()
 
 
@@ -144,5 +153,7 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     if kept:
         notes.append(f"torch {stack.torch} < 2.0: zero_grad() keeps zero-filled gradients between steps")
     early_stop = th is None or th >= CHECKPOINT_EARLY_STOP_TORCH
+    eager_nvls = th is not None and EAGER_NVLS_TORCH[0] <= th[:2] < EAGER_NVLS_TORCH[1]
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
-                          grads_kept_between_steps=kept, checkpoint_early_stop=early_stop, notes=tuple(notes))
+                          grads_kept_between_steps=kept, checkpoint_early_stop=early_stop,
+                          eager_nvls=eager_nvls, notes=tuple(notes))

@@ -78,10 +78,11 @@ def test_recompute_is_the_forward_it_reruns_and_lora_skips_frozen_weight_grads()
     assert recompute == pytest.approx(LLAMA8B.num_layers * block_fwd.fwd_s)
     assert recompute < passes.fwd_s                         # the head and loss are not re-run
     # Full fine-tuning: backward = input grads + weight grads ~ 2x forward. LoRA: the matmuls'
-    # backward is the input gradient alone (~1x); attention and elementwise backward stay ~2x.
+    # backward is the input gradient alone (~1x); elementwise backward stays ~2x, flash attention's
+    # 2.5x (kernels.FLASH_BACKWARD_FLOP_RATIO).
     assert passes.bwd_s / passes.fwd_s == pytest.approx(2.0, rel=0.1)
     lora, _ = tp_model._micro_compute(A100, replace(full, lora_rank=16), LLAMA8B, tokens)
-    assert 1.0 < lora.bwd_s / lora.fwd_s < 1.25
+    assert 1.0 < lora.bwd_s / lora.fwd_s < 1.3
 
 
 def test_deepspeed_stage0_allreduce_and_zero1_vs_zero2_per_micro_step():
@@ -230,7 +231,11 @@ def test_eager_attention_moves_the_score_matrix_through_hbm():
     assert att.fwd_s == pytest.approx(gemms + kernels.memory_time_s(v100, per_score * bh * s * s))
     assert att.bwd_s == pytest.approx(2 * att.fwd_s)
     flash = tp_model._attention_pass(A100, plan.with_(precision="bf16", attention="flash"), bert, 4 * 512)
-    assert flash.fwd_s == pytest.approx(4.0 * 2048 * 512 * 16 * 64 / (312e12 * 0.5 * A100_CLOCK))
+    # an encoder's mask is not causal: FlashAttention-2's non-causal head-dim-64 curve, 132 TFLOP/s
+    # at 512 against 176 at 16k; the forward is 1 part in 3.5 of forward + backward
+    counted = 4.0 * 2048 * 512 * 16 * 64
+    assert flash.fwd_s == pytest.approx(3 * counted / 3.5 / (312e12 * 0.5 * A100_CLOCK * 132 / 176))
+    assert flash.bwd_s == pytest.approx(2.5 * flash.fwd_s)
 
 
 def test_tensor_parallel_allreduces_per_block():
