@@ -104,6 +104,7 @@ def test_litgpt_qlora_rows_map_to_4bit_plans(outcomes):
         # the record stores the table's decimal GB as GiB (measured.value_gib)
         assert abs(o.case.measured_bytes - measured_gb * 1e9) < 0.001 * measured_gb * 1e9
         assert any("bf16-true" in a for a in o.case.approx) and any("PR #1270" in a for a in o.case.approx)
+        assert o.case.extra_bytes == 0  # no autocast copies of a 4-bit lm_head (litgpt_head_cast_bytes)
         # packed NF4 weights of the 32 blocks' 7 linears: 32 x (4 x 4096^2 + 3 x 4096 x 11008) / 2 bytes
         assert o.estimate.components["weights_4bit"] == 32 * (4 * 4096 ** 2 + 3 * 4096 * 11008) // 2
 
