@@ -243,20 +243,56 @@ def litgpt_head_cast_bytes(*, seq_len: int, vocab_size: int, hidden_size: int, a
 
 
 def _litgpt_head_cast_bytes(model: ModelSpec, plan: TrainingPlan) -> int:
-    """litgpt_head_cast_bytes for a mapped plan: only under autocast with the head frozen (LoRA)."""
+    """litgpt_head_cast_bytes for a mapped plan: only under autocast with the head frozen (LoRA).
+    Not with a 4-bit base: litgpt's QLoRA runs bf16-true (no autocast) with a 4-bit lm_head, whose
+    MatMul4Bit dequantises the weight per chunk and frees it after the matmul (_quantized_base)."""
     num = numerics(plan)
-    if not (num.autocast and plan.is_lora):
+    if not (num.autocast and plan.is_lora) or plan.is_quantized:
         return 0
     return litgpt_head_cast_bytes(seq_len=plan.seq_len, vocab_size=model.vocab_size,
                                   hidden_size=model.hidden_size, autocast_itemsize=num.autocast)
 
 
+def _is_qlora(record: dict) -> bool:
+    return record.get("finetune_type") == "qlora" or bool((record.get("lora") or {}).get("base_quant"))
+
+
 def _skip_reason(record: dict) -> str:
-    lora = record.get("lora") or {}
-    if record.get("finetune_type") == "qlora" or lora.get("base_quant"):
-        return (f"QLoRA: 4-bit base weights ({lora.get('base_quant') or 'bnb nf4'}); memkit has no "
-                "quantized-weight plan")
+    if _is_qlora(record) and (record.get("zero_stage") is not None or record.get("fsdp")):
+        # The PEFT docs' runs pack the 4-bit weights into bf16 tensors (bnb_4bit_quant_storage,
+        # bitsandbytes >= 0.43.0, PR #970) so ZeRO-3 / FSDP can partition them like bf16 params;
+        # memkit/quantize.py prices a 4-bit base only whole on every rank (plain PyTorch / DDP).
+        how = f"DeepSpeed ZeRO-{record['zero_stage']}" if record.get("zero_stage") is not None else record["fsdp"]
+        return (f"QLoRA with 4-bit weights in bf16 storage (bnb_4bit_quant_storage) sharded by {how}: memkit "
+                "prices 4-bit bases only unsharded, on plain PyTorch / DDP (memkit/quantize.py)")
     return ""
+
+
+def _quantized_base(record: dict, approx: list[str]) -> dict:
+    """TrainingPlan knobs of an unsharded QLoRA record (memkit/quantize.py) and what its mapping
+    approximates. The mapped ones are litgpt's (S3): `--quantize bnb.nf4 | bnb.nf4-dq` names a
+    Lightning Fabric BitsandbytesPrecision mode (litgpt finetune/lora.py at 8641822:
+    `BitsandbytesPrecision(quantize[4:], dtype)`), '-dq' = compress_statistics=True
+    (lightning/fabric/plugins/precision/bitsandbytes.py at 71aed751, _NF4DQLinear / _FP4DQLinear)."""
+    mode = ((record.get("lora") or {}).get("base_quant") or "").lower().removeprefix("bnb.")
+    if record["source_id"] != "litgpt_resource_tables" or mode not in ("nf4", "nf4-dq", "fp4", "fp4-dq"):
+        raise MemkitError(f"calibration record {record['id']}: 4-bit base {mode!r} of "
+                          f"{record['source_id']} has no mapping")
+    # BitsandbytesPrecision sets the default dtype to bf16 while the model is built and swaps every
+    # torch.nn.Linear for bnb Linear4bit (init_context, _ClassReplacementContextManager), with no
+    # autocast: the rest, the adapters and the activations are bf16, lm_head is 4-bit too.
+    # memkit's 4-bit plans are peft's (prepare_model_for_kbit_training: the rest fp32, bf16
+    # autocast), and bf16-pure has none.
+    approx.append("litgpt bf16-true 4-bit base (Lightning BitsandbytesPrecision: rest, adapters and activations "
+                  "bf16, no autocast) priced as memkit's peft QLoRA: bf16 autocast over an fp32 rest and adapters")
+    approx.append("lm_head 4-bit in litgpt (Lightning swaps every torch.nn.Linear; dequantised per chunk), "
+                  "fp32 in memkit (transformers keeps lm_head unquantized)")
+    # S3 ran bitsandbytes 0.41.1 (SOURCES.md). bitsandbytes < 0.43.2 MatMul4Bit.forward kept
+    # `ctx.tensors = (A, B)`, the input of every 4-bit linear, until backward; 0.43.2 keeps (None, B)
+    # (bitsandbytes commit 9e75374, PR #1270).
+    approx.append("bitsandbytes 0.41.1 keeps each 4-bit linear's input until backward (dropped in 0.43.2, "
+                  "PR #1270); memkit prices the newer MatMul4Bit, which keeps none")
+    return {"quantize_base": mode.split("-")[0], "double_quant": mode.endswith("-dq")}
 
 
 def _metric(meas: dict, approx: list[str]) -> str:
@@ -340,6 +376,8 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
         return "bf16", ""
     if text.startswith("bf16_pure") or text.startswith("bf16 weights"):
         return "bf16-pure", ""
+    if text.startswith("bf16 compute"):  # a 4-bit base's compute dtype: its mapping in _quantized_base
+        return "bf16", ""
     if text.startswith("unspecified"):
         # bigcode issue 20 states no precision. Its rows differ in heads at fixed layers/width, so
         # they measure the bytes saved per s^2 attention score: 9.0-9.3 B per score per layer
@@ -363,6 +401,11 @@ def _optimizer(record: dict, approx: list[str]) -> str:
     if "adafactor" in text:
         return "adafactor"
     if "adam" in text:
+        if "pagedadamw" in text and "8bit" not in text:
+            # bitsandbytes optim/optimizer.py get_state_buffer: a tensor under 1e5 elements gets
+            # ordinary torch.zeros_like states, larger ones managed (paged) memory outside torch's allocator.
+            approx.append("bnb PagedAdamW (32-bit) priced as torch AdamW: states of tensors < 1e5 elements "
+                          "(every LoRA tensor here) are ordinary CUDA tensors; fused update, no foreach temporary")
         if "adamw_hf" in text:
             approx.append("HF AdamW loops per tensor (no foreach temporary the size of all params)")
         return "adamw"
@@ -467,9 +510,11 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
 
     lora = record.get("lora") or {}
     lora_kw = {}
-    if record.get("finetune_type") == "lora":
+    if _is_qlora(record):
+        lora_kw.update(_quantized_base(record, approx))
+    if record.get("finetune_type") in ("lora", "qlora"):
         targets = _lora_targets(model, lora.get("targets"))
-        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=targets,
+        lora_kw.update(lora_rank=int(lora.get("rank", 8)), lora_targets=targets,
                        lora_alpha=int(lora.get("alpha", 16)), lora_dropout=float(lora.get("dropout", 0.0)))
         want = lora.get("trainable_params")
         have = model.lora_params(lora_kw["lora_rank"], targets)
