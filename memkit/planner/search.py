@@ -31,6 +31,7 @@ comes before the lean tier.
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, replace
 
 from memkit.errors import MemkitError, NoFeasiblePlan
@@ -132,6 +133,7 @@ class _Evaluator:
         self.budget = request.budget_bytes
         self.num_calls = 0
         self._cache: dict[TrainingPlan, _Verdict] = {}
+        self._speeds: dict[TrainingPlan, StepTimeEstimate] = {}
 
     def check(self, plan: TrainingPlan) -> _Verdict:
         hit = self._cache.get(plan)
@@ -166,7 +168,12 @@ class _Evaluator:
         return out
 
     def speed(self, plan: TrainingPlan) -> StepTimeEstimate:
-        return estimate_step_time(self.request.model, plan, self.request.hardware)
+        """Memoised: the search asks for the same plan's step time several times (its bound, its
+        micro-batch choice, the partial-checkpointing loop), and the model is a pure function."""
+        hit = self._speeds.get(plan)
+        if hit is None:
+            hit = self._speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
+        return hit
 
 
 UPPER_BOUND_FALLBACK_NOTE = (f"no plan keeps its {QUANTILE_LABEL} upper bound inside the device; chose the best plan whose "
@@ -476,46 +483,78 @@ def _lean_rank(plan: TrainingPlan) -> tuple:
     return (offload, plan.checkpointing == "full", plan.loss != "standard", not plan.overlap_comm)
 
 
-def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
-    entries = []
+def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
+    """The best step time any micro-batch of structure `s` could reach (the search's bound)."""
+    if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
+        return min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
+    return min(ev.speed(with_micro(s, m)).step_time_s for m in micros)
+
+
+def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
+    """(bound, index, structure, micro-batches) in ascending (bound, index) order, as a generator,
+    computing a bound only when the visit may reach it.
+
+    An activation-offload structure's bound is at least its no-offload sibling's: the step-time
+    model adds the PCIe transfer to each micro-step and changes nothing else
+    (estimate/throughput.py _offload; checked by tests/unit/test_planner_assumptions.py), at every
+    micro-batch of the same options. So it waits in the heap under that lower bound and is priced
+    only when popped; an item is yielded only when its exact (bound, index) is the heap's
+    least key, and every key left is a lower bound of its own exact key, so the order is exactly
+    that of sorting all exact bounds - and a search that stops early never prices the rest."""
+    heap = []
+    exact: dict[TrainingPlan, float] = {}
+    waiting = []
     for index, s in enumerate(structs):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
-        bound = min(times)
-        if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
-            bound = min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
-        entries.append((bound, index, s, micros, times))
-    entries.sort(key=lambda e: (e[0], e[1]))
+        if s.offload_activations != "none":
+            waiting.append((index, s, micros))
+            continue
+        exact[s] = _bound(ev, s, micros)
+        heap.append((exact[s], index, True, s, micros))
+    for index, s, micros in waiting:
+        sibling = exact.get(s.with_(offload_activations="none"))
+        if sibling is None:
+            heap.append((_bound(ev, s, micros), index, True, s, micros))
+        else:
+            heap.append((sibling, index, False, s, micros))
+    heapq.heapify(heap)
+    while heap:
+        key, index, is_exact, s, micros = heapq.heappop(heap)
+        if is_exact:
+            yield key, index, s, micros
+        else:
+            heapq.heappush(heap, (_bound(ev, s, micros), index, True, s, micros))
+
+
+def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
     pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
     found_times: list[float] = []
     rejected: list[Rejection] = []
-    for bound, _, s, micros, times in entries:
+    hints: dict[tuple, int] = {}  # the largest micro-batch that fit the last structure of like activations
+    for bound, _, s, micros in _bound_order(ev, structs):
         if len(found) >= keep and bound >= found_times[keep - 1]:
             break
         known = pruner.known_miss(s, bound)
         if known is not None:
             rejected.append(known)
             continue
-        first = with_micro(s, micros[0])
-        v = ev.check(first)
-        if v.reason:
+        hint_key = (s.checkpointing, s.loss, s.offload_activations)
+        lo = _largest_fitting(ev, s, micros, bisect.bisect_right(micros, hints.get(hint_key, 1)) - 1)
+        if lo < 0:
+            first = with_micro(s, micros[0])
+            v = ev.check(first)
             rej = _rejection(first, v, bound)
             pruner.record(s, v, rej)
             rejected.append(rej)
             continue
-        lo, hi = 0, len(micros) - 1          # lo fits; find the largest index that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ev.check(with_micro(s, micros[mid])).reason:
-                hi = mid - 1
-            else:
-                lo = mid
+        hints[hint_key] = micros[lo]
         limit = ""
         if lo + 1 < len(micros):
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
+        times = [ev.speed(with_micro(s, m)).step_time_s for m in micros[:lo + 1]]
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
@@ -527,6 +566,37 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
+
+
+def _largest_fitting(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...], hint: int) -> int:
+    """Index of the largest micro-batch of `s` that fits, -1 when none does (micros[0] then
+    estimated). The verdict is monotone in the micro-batch (memory grows with it, host RAM does
+    not depend on it: _Pruner's facts, tests/unit/test_planner_assumptions.py), so the answer is
+    the one index whose micro-batch fits and whose next does not, wherever the probes start: they
+    gallop out from `hint` (a similar structure's answer, so usually two estimates) until that
+    boundary is bracketed, then bisect."""
+    def fits(i: int) -> bool:
+        return not ev.check(with_micro(s, micros[i])).reason
+
+    fit, fail = -1, len(micros)      # largest index known to fit, smallest known not to
+    i = min(max(hint, 0), len(micros) - 1)
+    upward = fits(i)
+    fit, fail = (i, fail) if upward else (fit, i)
+    step = 1
+    while fail - fit > 1:            # gallop away from the hint until a probe crosses the boundary
+        i = min(fit + step, fail - 1) if upward else max(fail - step, fit + 1)
+        ok = fits(i)
+        fit, fail = (i, fail) if ok else (fit, i)
+        if ok != upward:
+            break
+        step *= 2
+    while fail - fit > 1:
+        mid = (fit + fail) // 2
+        if fits(mid):
+            fit = mid
+        else:
+            fail = mid
+    return fit
 
 
 def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
@@ -555,28 +625,63 @@ def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
 
 def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
     """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
-    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
-    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
-    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index)."""
+    fits, the smallest number of checkpointed blocks K that still fits, and the fastest of those
+    plans (ties: the micro-batch whose no-recompute step is faster, then the smaller). Returns
+    (plan, micro index).
+
+    Memory falls as K grows and grows with the micro-batch (the facts the bisections rest on,
+    tests/unit/test_planner_assumptions.py), so "fits" is a staircase over (micro index j, K):
+    K fitting at j fits at every smaller j, K failing at j fails at every larger j. Each
+    micro-batch's smallest K is therefore bracketed by what the others' probes found, and only
+    the plans that could still be faster than the best found are estimated: a K whose step
+    (priced directly, for every K in the bracket) is not faster cannot be the answer. A step
+    with recomputation is never faster than the same step without it (the bound
+    _search_throughput already uses), so micro-batches whose no-recompute step is not faster
+    than the best are skipped."""
     num_blocks = ev.request.model.total_layers
+    no_recompute = [ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
+                    for i in range(lo + 1)]
+    rank = {j: r for r, j in enumerate(sorted(range(lo + 1), key=lambda i: no_recompute[i]))}
     best, best_j = full, micros.index(full.micro_batch_size)
-    best_t = ev.speed(full).step_time_s
-    for j in sorted(range(lo + 1), key=lambda i: ev.speed(with_micro(s.with_(checkpointing="none"),
-                                                                          micros[i])).step_time_s):
+    best_key = (ev.speed(full).step_time_s, -1)
+    known_fail = [0] * (lo + 1)          # largest K known not to fit at micro index j
+    known_fit = [num_blocks] * (lo + 1)  # smallest K known to fit (full fits at every j <= lo)
+
+    def probe(j: int, k: int, plan: TrainingPlan) -> None:
+        if ev.check(plan).reason:
+            for i in range(j, lo + 1):
+                known_fail[i] = max(known_fail[i], k)
+        else:
+            for i in range(j + 1):
+                known_fit[i] = min(known_fit[i], k)
+
+    for j in range(lo + 1):
+        if (no_recompute[j], rank[j]) >= best_key:
+            continue
         base = with_micro(s, micros[j])
-        if ev.speed(base.with_(checkpointing="none")).step_time_s >= best_t:
-            break
-        k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
-        while k_lo < k_hi:
-            mid = (k_lo + k_hi) // 2
-            if ev.check(base.with_(checkpointing=str(mid))).reason:
-                k_lo = mid + 1
+
+        def at(k: int) -> TrainingPlan:
+            return base if k == num_blocks else base.with_(checkpointing=str(k))
+
+        def faster(k: int) -> bool:
+            return (ev.speed(at(k)).step_time_s, rank[j]) < best_key
+
+        first = True
+        while known_fail[j] + 1 < known_fit[j]:
+            top = next((k for k in range(known_fit[j], known_fail[j], -1) if faster(k)), None)
+            if top is None:                 # no K the answer can be is faster than the best
+                break
+            if top < known_fit[j]:          # the answer is faster only if it is at most `top`
+                probe(j, top, at(top))
+            elif first:                     # the fewest blocks first: the usual answer of a winner
+                probe(j, known_fail[j] + 1, at(known_fail[j] + 1))
+                first = False
             else:
-                k_hi = mid
-        plan = base if k_hi == num_blocks else base.with_(checkpointing=str(k_hi))
-        t = ev.speed(plan).step_time_s
-        if t < best_t:
-            best, best_j, best_t = plan, j, t
+                mid = (known_fail[j] + known_fit[j]) // 2
+                probe(j, mid, at(mid))
+        k = known_fit[j]
+        if known_fail[j] + 1 == k and faster(k):
+            best, best_j, best_key = at(k), j, (ev.speed(at(k)).step_time_s, rank[j])
     return best, best_j
 
 
