@@ -533,7 +533,8 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
     found: list[Candidate] = []
     found_times: list[float] = []
     rejected: list[Rejection] = []
-    hints: dict[tuple, int] = {}  # the largest micro-batch that fit the last structure of like activations
+    largest: dict[TrainingPlan, int] = {}  # structure -> index of its largest micro-batch that fits
+    guesses: dict[tuple, int] = {}  # partial checkpointing's last answer, by loss and activation offload
     for bound, _, s, micros in _bound_order(ev, structs):
         if len(found) >= keep and bound >= found_times[keep - 1]:
             break
@@ -541,16 +542,21 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         if known is not None:
             rejected.append(known)
             continue
-        hint_key = (s.checkpointing, s.loss, s.offload_activations)
-        lo = _largest_fitting(ev, s, micros, bisect.bisect_right(micros, hints.get(hint_key, 1)) - 1)
-        if lo < 0:
-            first = with_micro(s, micros[0])
-            v = ev.check(first)
+        first = with_micro(s, micros[0])
+        v = ev.check(first)
+        if v.reason:
             rej = _rejection(first, v, bound)
             pruner.record(s, v, rej)
             rejected.append(rej)
             continue
-        hints[hint_key] = micros[lo]
+        lo, hi = 0, len(micros) - 1          # lo fits; find the largest index that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ev.check(with_micro(s, micros[mid])).reason:
+                hi = mid - 1
+            else:
+                lo = mid
+        largest[s] = lo
         limit = ""
         if lo + 1 < len(micros):
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
@@ -558,7 +564,10 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
-            plan, best = _partial_checkpointing(ev, s, micros, lo, plan)
+            like = (s.loss, s.offload_activations)
+            guess = guesses.get(like, largest.get(s.with_(checkpointing="none"), -1) + 1)
+            plan, best = _partial_checkpointing(ev, s, micros, lo, plan, guess=min(guess, lo))
+            guesses[like] = best
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
@@ -566,37 +575,6 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         found_times.insert(pos, cand.speed.step_time_s)
     rejected.sort(key=lambda r: r.step_time_s)
     return found, rejected
-
-
-def _largest_fitting(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...], hint: int) -> int:
-    """Index of the largest micro-batch of `s` that fits, -1 when none does (micros[0] then
-    estimated). The verdict is monotone in the micro-batch (memory grows with it, host RAM does
-    not depend on it: _Pruner's facts, tests/unit/test_planner_assumptions.py), so the answer is
-    the one index whose micro-batch fits and whose next does not, wherever the probes start: they
-    gallop out from `hint` (a similar structure's answer, so usually two estimates) until that
-    boundary is bracketed, then bisect."""
-    def fits(i: int) -> bool:
-        return not ev.check(with_micro(s, micros[i])).reason
-
-    fit, fail = -1, len(micros)      # largest index known to fit, smallest known not to
-    i = min(max(hint, 0), len(micros) - 1)
-    upward = fits(i)
-    fit, fail = (i, fail) if upward else (fit, i)
-    step = 1
-    while fail - fit > 1:            # gallop away from the hint until a probe crosses the boundary
-        i = min(fit + step, fail - 1) if upward else max(fail - step, fit + 1)
-        ok = fits(i)
-        fit, fail = (i, fail) if ok else (fit, i)
-        if ok != upward:
-            break
-        step *= 2
-    while fail - fit > 1:
-        mid = (fit + fail) // 2
-        if fits(mid):
-            fit = mid
-        else:
-            fail = mid
-    return fit
 
 
 def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
@@ -623,65 +601,64 @@ def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
     return s.checkpointing == "full" and ev.request.checkpointing is None and s.pp == 1
 
 
-def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
+def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan, *,
+                           guess: int = 0):
     """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
-    fits, the smallest number of checkpointed blocks K that still fits, and the fastest of those
-    plans (ties: the micro-batch whose no-recompute step is faster, then the smaller). Returns
-    (plan, micro index).
+    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
+    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
+    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index).
 
-    Memory falls as K grows and grows with the micro-batch (the facts the bisections rest on,
-    tests/unit/test_planner_assumptions.py), so "fits" is a staircase over (micro index j, K):
-    K fitting at j fits at every smaller j, K failing at j fails at every larger j. Each
-    micro-batch's smallest K is therefore bracketed by what the others' probes found, and only
-    the plans that could still be faster than the best found are estimated: a K whose step
-    (priced directly, for every K in the bracket) is not faster cannot be the answer. A step
-    with recomputation is never faster than the same step without it (the bound
-    _search_throughput already uses), so micro-batches whose no-recompute step is not faster
-    than the best are skipped."""
+    The answer is the one a plain visit gives: micro-batches in order of their no-recompute step
+    time, each bisected over K, a plan replacing the best only when strictly faster, the visit
+    ending at the first micro-batch whose no-recompute step is not faster than the best. Fewer
+    memory estimates reach it, with no assumption about how memory or time vary with K: a
+    bisection is cut short once no K it can still end on is faster than the plan to beat (their
+    step times are priced directly), since it then cannot change the answer; and micro-batch
+    `guess` is bisected first, so there is a fast plan to beat from the start (see _speculate)."""
     num_blocks = ev.request.model.total_layers
-    no_recompute = [ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
-                    for i in range(lo + 1)]
-    rank = {j: r for r, j in enumerate(sorted(range(lo + 1), key=lambda i: no_recompute[i]))}
+    no_recompute = {i: ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
+                    for i in range(lo + 1)}
+    order = sorted(range(lo + 1), key=no_recompute.__getitem__)
+    rank = {j: r for r, j in enumerate(order)}  # ties between equal step times go to the earlier
+
+    def at(j: int, k: int) -> TrainingPlan:
+        base = with_micro(s, micros[j])
+        return base if k == num_blocks else base.with_(checkpointing=str(k))
+
+    def key(j: int, k: int) -> tuple[float, int]:
+        return ev.speed(at(j, k)).step_time_s, rank[j]
+
+    def smallest_k(j: int, beat: tuple[float, int]) -> int | None:
+        """The bisection's K at micro index j, or None once no K it can end on has a key below `beat`."""
+        k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
+        while k_lo < k_hi:
+            if not any(key(j, k) < beat for k in range(k_lo, k_hi + 1)):
+                return None
+            mid = (k_lo + k_hi) // 2
+            if ev.check(at(j, mid)).reason:
+                k_lo = mid + 1
+            else:
+                k_hi = mid
+        return k_hi if key(j, k_hi) < beat else None
+
     best, best_j = full, micros.index(full.micro_batch_size)
     best_key = (ev.speed(full).step_time_s, -1)
-    known_fail = [0] * (lo + 1)          # largest K known not to fit at micro index j
-    known_fit = [num_blocks] * (lo + 1)  # smallest K known to fit (full fits at every j <= lo)
-
-    def probe(j: int, k: int, plan: TrainingPlan) -> None:
-        if ev.check(plan).reason:
-            for i in range(j, lo + 1):
-                known_fail[i] = max(known_fail[i], k)
-        else:
-            for i in range(j + 1):
-                known_fit[i] = min(known_fit[i], k)
-
-    for j in range(lo + 1):
-        if (no_recompute[j], rank[j]) >= best_key:
+    # _speculate: bisect `guess` first. If its plan beats full checkpointing and its no-recompute
+    # step is faster than that plan, the plain visit reaches it (every micro-batch before it in the
+    # order is at least as fast without recompute, and the best until then is slower than it: any
+    # faster one is found exactly below) and makes it the best unless an earlier one is faster;
+    # so until then only plans that beat it matter.
+    spec_k = smallest_k(guess, best_key)
+    spec = key(guess, spec_k) if spec_k is not None and no_recompute[guess] < key(guess, spec_k)[0] else None
+    known = spec is None                    # whether best_key is the plain visit's best so far
+    for j in order:
+        if known and no_recompute[j] >= best_key[0]:
+            break
+        k = spec_k if j == guess and spec is not None else smallest_k(j, best_key if known else spec)
+        if k is None:
             continue
-        base = with_micro(s, micros[j])
-
-        def at(k: int) -> TrainingPlan:
-            return base if k == num_blocks else base.with_(checkpointing=str(k))
-
-        def faster(k: int) -> bool:
-            return (ev.speed(at(k)).step_time_s, rank[j]) < best_key
-
-        first = True
-        while known_fail[j] + 1 < known_fit[j]:
-            top = next((k for k in range(known_fit[j], known_fail[j], -1) if faster(k)), None)
-            if top is None:                 # no K the answer can be is faster than the best
-                break
-            if top < known_fit[j]:          # the answer is faster only if it is at most `top`
-                probe(j, top, at(top))
-            elif first:                     # the fewest blocks first: the usual answer of a winner
-                probe(j, known_fail[j] + 1, at(known_fail[j] + 1))
-                first = False
-            else:
-                mid = (known_fail[j] + known_fit[j]) // 2
-                probe(j, mid, at(mid))
-        k = known_fit[j]
-        if known_fail[j] + 1 == k and faster(k):
-            best, best_j, best_key = at(k), j, (ev.speed(at(k)).step_time_s, rank[j])
+        if known and key(j, k) < best_key or not known and key(j, k) <= spec:
+            best, best_j, best_key, known = at(j, k), j, key(j, k), True
     return best, best_j
 
 
