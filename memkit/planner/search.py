@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.bounds import QUANTILE_LABEL
@@ -126,25 +126,33 @@ def device_peak_bytes(est: MemoryEstimate) -> int:
 class _Evaluator:
     """Memoised memory estimates and the feasibility verdict for one request."""
 
-    def __init__(self, request: Request, estimator, *, fit_upper: bool = True):
+    def __init__(self, request: Request, estimator, *, fit_upper: bool = True, memo: "_Memo | None" = None):
         self.request = request
         self.estimator = estimator
         self.fit_upper = fit_upper
         self.budget = request.budget_bytes
-        self.num_calls = 0
+        self.memo = memo or _Memo()
         self._cache: dict[TrainingPlan, _Verdict] = {}
-        self._speeds: dict[TrainingPlan, StepTimeEstimate] = {}
+
+    @property
+    def num_calls(self) -> int:
+        return self.memo.num_calls
 
     def check(self, plan: TrainingPlan) -> _Verdict:
         hit = self._cache.get(plan)
         if hit is not None:
             return hit
-        self.num_calls += 1
         hw = self.request.hardware
-        try:
-            est = self.estimator(self.request.model, plan, hw)
-        except MemkitError as exc:  # the estimator refuses a combination: a rejection, not a crash
-            out = _Verdict(None, str(exc), float("inf"), True, True)
+        est = self.memo.estimates.get(plan)
+        if est is None:
+            self.memo.num_calls += 1
+            try:
+                est = self.estimator(self.request.model, plan, hw)
+            except MemkitError as exc:  # the estimator refuses a combination: a rejection, not a crash
+                est = str(exc)
+            self.memo.estimates[plan] = est
+        if isinstance(est, str):
+            out = _Verdict(None, est, float("inf"), True, True)
             self._cache[plan] = out
             return out
         device = device_peak_bytes(est) / self.budget
@@ -170,10 +178,22 @@ class _Evaluator:
     def speed(self, plan: TrainingPlan) -> StepTimeEstimate:
         """Memoised: the search asks for the same plan's step time several times (its bound, its
         micro-batch choice, the partial-checkpointing loop), and the model is a pure function."""
-        hit = self._speeds.get(plan)
+        hit = self.memo.speeds.get(plan)
         if hit is None:
-            hit = self._speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
+            hit = self.memo.speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
         return hit
+
+
+@dataclass(slots=True)
+class _Memo:
+    """Memory and step-time estimates of one request's plans, kept across search()'s two passes
+    (the estimates do not depend on whether the upper bound must fit; only the verdicts do)."""
+
+    estimates: dict = field(default_factory=dict)
+    """plan -> MemoryEstimate, or the estimator's refusal (its message)."""
+    speeds: dict = field(default_factory=dict)
+    num_calls: int = 0
+    """Memory estimates made (cache misses)."""
 
 
 UPPER_BOUND_FALLBACK_NOTE = (f"no plan keeps its {QUANTILE_LABEL} upper bound inside the device; chose the best plan whose "
@@ -185,20 +205,30 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
     """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input. A plan
     fits when its prediction is inside the budget and its upper bound (estimate/bounds.py) inside the device; when
     no plan does both, the best one inside the budget is chosen and the result says so."""
+    memo = _Memo()
     try:
         return _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                       num_rejections=num_rejections, fit_upper=True)
-    except NoPlanFits as strict:
+                       num_rejections=num_rejections, fit_upper=True, memo=memo)
+    except _NothingFits as strict:
         try:
             result = _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                             num_rejections=num_rejections, fit_upper=False)
-        except NoPlanFits:
-            raise strict from None
+                             num_rejections=num_rejections, fit_upper=False, memo=memo)
+        except _NothingFits:
+            raise strict.answer() from None
         return replace(result, notes=result.notes + (UPPER_BOUND_FALLBACK_NOTE,))
 
 
+class _NothingFits(Exception):
+    """A pass of the search found no plan; `answer()` builds the NoPlanFits the user sees (its
+    nearest misses cost estimates of their own, so only for the pass whose answer is shown)."""
+
+    def __init__(self, request: Request, ev: "_Evaluator", rejected: list):
+        super().__init__("no plan fits")
+        self.answer = lambda: _no_fit(request, ev, rejected)
+
+
 def _search(request: Request, *, estimator, num_alternatives: int, num_rejections: int,
-            fit_upper: bool) -> SearchResult:
+            fit_upper: bool, memo: "_Memo") -> SearchResult:
     if estimator is None:
         from memkit.estimate.memory import estimate_memory as estimator
     request.validate()
@@ -208,7 +238,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
     if request.global_batch_size % num_gpus and all(dp < num_gpus for _, _, dp in lays):
         notes.append(f"global batch {request.global_batch_size} is not divisible by {num_gpus} GPUs; only "
                      f"layouts with data-parallel degree {sorted({dp for _, _, dp in lays})} are possible")
-    ev = _Evaluator(request, estimator, fit_upper=fit_upper)
+    ev = _Evaluator(request, estimator, fit_upper=fit_upper, memo=memo)
     all_rejected: list[Rejection] = []
     num_structures = 0
     tier_list = tiers(request)
@@ -256,7 +286,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                                             result, keep=num_alternatives + 2, notes=request_notes) or result
             return result
         all_rejected += tier_rejected
-    raise _no_fit(request, ev, all_rejected)
+    raise _NothingFits(request, ev, all_rejected)
 
 
 def _offloads(plan: TrainingPlan) -> bool:
