@@ -594,6 +594,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
+            # first guess: the smallest micro-batch that does not fit without checkpointing
             like = (s.loss, s.offload_activations)
             guess = guesses.get(like, largest.get(s.with_(checkpointing="none"), -1) + 1)
             plan, best = _partial_checkpointing(ev, s, micros, lo, plan, guess=min(guess, lo))
@@ -634,9 +635,10 @@ def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
 def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan, *,
                            guess: int = 0):
     """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
-    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
-    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
-    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index).
+    fits, the number of checkpointed blocks K a bisection finds (the smallest that fits where
+    memory falls as K grows; it does not always: tests/unit/test_planner_pruning.py), and the
+    fastest of those plans. Micro-batches whose no-recompute time cannot beat the best found are
+    skipped. Returns (plan, micro index).
 
     The answer is the one a plain visit gives: micro-batches in order of their no-recompute step
     time, each bisected over K, a plan replacing the best only when strictly faster, the visit
@@ -644,7 +646,7 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     memory estimates reach it, with no assumption about how memory or time vary with K: a
     bisection is cut short once no K it can still end on is faster than the plan to beat (their
     step times are priced directly), since it then cannot change the answer; and micro-batch
-    `guess` is bisected first, so there is a fast plan to beat from the start (see _speculate)."""
+    `guess` is bisected first, so there is a fast plan to beat from the start (comment below)."""
     num_blocks = ev.request.model.total_layers
     no_recompute = {i: ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
                     for i in range(lo + 1)}
@@ -673,11 +675,13 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
 
     best, best_j = full, micros.index(full.micro_batch_size)
     best_key = (ev.speed(full).step_time_s, -1)
-    # _speculate: bisect `guess` first. If its plan beats full checkpointing and its no-recompute
-    # step is faster than that plan, the plain visit reaches it (every micro-batch before it in the
-    # order is at least as fast without recompute, and the best until then is slower than it: any
-    # faster one is found exactly below) and makes it the best unless an earlier one is faster;
-    # so until then only plans that beat it matter.
+    # Speculation: bisect `guess` first; `spec` is its plan's key. If that plan beats full
+    # checkpointing and the guess's no-recompute step is faster than it, the plain visit reaches
+    # the guess: every micro-batch before it in the order is no slower without recompute than the
+    # guess, so faster than spec's step, and the best until then is either slower than spec (no
+    # stop) or a key below spec, which is bisected to the end here too. So the visit's answer has
+    # a key <= spec, and until one below spec turns up (then the best is known exactly again),
+    # bisections are cut short against spec instead of the best, which is not known meanwhile.
     spec_k = smallest_k(guess, best_key)
     spec = key(guess, spec_k) if spec_k is not None and no_recompute[guess] < key(guess, spec_k)[0] else None
     known = spec is None                    # whether best_key is the plain visit's best so far
@@ -685,9 +689,7 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
         if known and no_recompute[j] >= best_key[0]:
             break
         k = spec_k if j == guess and spec is not None else smallest_k(j, best_key if known else spec)
-        if k is None:
-            continue
-        if known and key(j, k) < best_key or not known and key(j, k) <= spec:
+        if k is not None and (not known or key(j, k) < best_key):  # unknown: k's key is <= spec
             best, best_j, best_key, known = at(j, k), j, key(j, k), True
     return best, best_j
 

@@ -34,7 +34,7 @@ def _request(name: str) -> Request:
 
 
 def _structures(req: Request):
-    return [s for s in structures(req, tiers(req)[0], layouts(req)[0])]
+    return structures(req, tiers(req)[0], layouts(req)[0])
 
 
 def _largest_fitting(ev: _Evaluator, s, micros) -> int:
