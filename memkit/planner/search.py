@@ -31,7 +31,8 @@ comes before the lean tier.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+import heapq
+from dataclasses import dataclass, field, replace
 
 from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.bounds import QUANTILE_LABEL
@@ -125,24 +126,33 @@ def device_peak_bytes(est: MemoryEstimate) -> int:
 class _Evaluator:
     """Memoised memory estimates and the feasibility verdict for one request."""
 
-    def __init__(self, request: Request, estimator, *, fit_upper: bool = True):
+    def __init__(self, request: Request, estimator, *, fit_upper: bool = True, memo: "_Memo | None" = None):
         self.request = request
         self.estimator = estimator
         self.fit_upper = fit_upper
         self.budget = request.budget_bytes
-        self.num_calls = 0
+        self.memo = memo or _Memo()
         self._cache: dict[TrainingPlan, _Verdict] = {}
+
+    @property
+    def num_calls(self) -> int:
+        return self.memo.num_calls
 
     def check(self, plan: TrainingPlan) -> _Verdict:
         hit = self._cache.get(plan)
         if hit is not None:
             return hit
-        self.num_calls += 1
         hw = self.request.hardware
-        try:
-            est = self.estimator(self.request.model, plan, hw)
-        except MemkitError as exc:  # the estimator refuses a combination: a rejection, not a crash
-            out = _Verdict(None, str(exc), float("inf"), True, True)
+        est = self.memo.estimates.get(plan)
+        if est is None:
+            self.memo.num_calls += 1
+            try:
+                est = self.estimator(self.request.model, plan, hw)
+            except MemkitError as exc:  # the estimator refuses a combination: a rejection, not a crash
+                est = str(exc)
+            self.memo.estimates[plan] = est
+        if isinstance(est, str):
+            out = _Verdict(None, est, float("inf"), True, True)
             self._cache[plan] = out
             return out
         device = device_peak_bytes(est) / self.budget
@@ -166,7 +176,24 @@ class _Evaluator:
         return out
 
     def speed(self, plan: TrainingPlan) -> StepTimeEstimate:
-        return estimate_step_time(self.request.model, plan, self.request.hardware)
+        """Memoised: the search asks for the same plan's step time several times (its bound, its
+        micro-batch choice, the partial-checkpointing loop), and the model is a pure function."""
+        hit = self.memo.speeds.get(plan)
+        if hit is None:
+            hit = self.memo.speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
+        return hit
+
+
+@dataclass(slots=True)
+class _Memo:
+    """Memory and step-time estimates of one request's plans, kept across search()'s two passes
+    (the estimates do not depend on whether the upper bound must fit; only the verdicts do)."""
+
+    estimates: dict = field(default_factory=dict)
+    """plan -> MemoryEstimate, or the estimator's refusal (its message)."""
+    speeds: dict = field(default_factory=dict)
+    num_calls: int = 0
+    """Memory estimates made (cache misses)."""
 
 
 UPPER_BOUND_FALLBACK_NOTE = (f"no plan keeps its {QUANTILE_LABEL} upper bound inside the device; chose the best plan whose "
@@ -178,20 +205,30 @@ def search(request: Request, *, estimator=None, num_alternatives: int = 4,
     """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input. A plan
     fits when its prediction is inside the budget and its upper bound (estimate/bounds.py) inside the device; when
     no plan does both, the best one inside the budget is chosen and the result says so."""
+    memo = _Memo()
     try:
         return _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                       num_rejections=num_rejections, fit_upper=True)
-    except NoPlanFits as strict:
+                       num_rejections=num_rejections, fit_upper=True, memo=memo)
+    except _NothingFits as strict:
         try:
             result = _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                             num_rejections=num_rejections, fit_upper=False)
-        except NoPlanFits:
-            raise strict from None
+                             num_rejections=num_rejections, fit_upper=False, memo=memo)
+        except _NothingFits:
+            raise strict.answer() from None
         return replace(result, notes=result.notes + (UPPER_BOUND_FALLBACK_NOTE,))
 
 
+class _NothingFits(Exception):
+    """A pass of the search found no plan; `answer()` builds the NoPlanFits the user sees (its
+    nearest misses cost estimates of their own, so only for the pass whose answer is shown)."""
+
+    def __init__(self, request: Request, ev: "_Evaluator", rejected: list):
+        super().__init__("no plan fits")
+        self.answer = lambda: _no_fit(request, ev, rejected)
+
+
 def _search(request: Request, *, estimator, num_alternatives: int, num_rejections: int,
-            fit_upper: bool) -> SearchResult:
+            fit_upper: bool, memo: "_Memo") -> SearchResult:
     if estimator is None:
         from memkit.estimate.memory import estimate_memory as estimator
     request.validate()
@@ -201,7 +238,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
     if request.global_batch_size % num_gpus and all(dp < num_gpus for _, _, dp in lays):
         notes.append(f"global batch {request.global_batch_size} is not divisible by {num_gpus} GPUs; only "
                      f"layouts with data-parallel degree {sorted({dp for _, _, dp in lays})} are possible")
-    ev = _Evaluator(request, estimator, fit_upper=fit_upper)
+    ev = _Evaluator(request, estimator, fit_upper=fit_upper, memo=memo)
     all_rejected: list[Rejection] = []
     num_structures = 0
     tier_list = tiers(request)
@@ -249,7 +286,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                                             result, keep=num_alternatives + 2, notes=request_notes) or result
             return result
         all_rejected += tier_rejected
-    raise _no_fit(request, ev, all_rejected)
+    raise _NothingFits(request, ev, all_rejected)
 
 
 def _offloads(plan: TrainingPlan) -> bool:
@@ -476,23 +513,59 @@ def _lean_rank(plan: TrainingPlan) -> tuple:
     return (offload, plan.checkpointing == "full", plan.loss != "standard", not plan.overlap_comm)
 
 
-def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
-    entries = []
+def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
+    """The best step time any micro-batch of structure `s` could reach (the search's bound)."""
+    if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
+        return min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
+    return min(ev.speed(with_micro(s, m)).step_time_s for m in micros)
+
+
+def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
+    """(bound, index, structure, micro-batches) in ascending (bound, index) order, as a generator,
+    computing a bound only when the visit may reach it.
+
+    An activation-offload structure's bound is at least its no-offload sibling's: the step-time
+    model adds the PCIe transfer to each micro-step and changes nothing else
+    (estimate/throughput.py _offload; checked by tests/unit/test_planner_assumptions.py), at every
+    micro-batch of the same options. So it waits in the heap under that lower bound and is priced
+    only when popped; an item is yielded only when its exact (bound, index) is the heap's
+    least key, and every key left is a lower bound of its own exact key, so the order is exactly
+    that of sorting all exact bounds - and a search that stops early never prices the rest."""
+    heap = []
+    exact: dict[TrainingPlan, float] = {}
+    waiting = []
     for index, s in enumerate(structs):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        times = [ev.speed(with_micro(s, m)).step_time_s for m in micros]
-        bound = min(times)
-        if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
-            bound = min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
-        entries.append((bound, index, s, micros, times))
-    entries.sort(key=lambda e: (e[0], e[1]))
+        if s.offload_activations != "none":
+            waiting.append((index, s, micros))
+            continue
+        exact[s] = _bound(ev, s, micros)
+        heap.append((exact[s], index, True, s, micros))
+    for index, s, micros in waiting:
+        sibling = exact.get(s.with_(offload_activations="none"))
+        if sibling is None:
+            heap.append((_bound(ev, s, micros), index, True, s, micros))
+        else:
+            heap.append((sibling, index, False, s, micros))
+    heapq.heapify(heap)
+    while heap:
+        key, index, is_exact, s, micros = heapq.heappop(heap)
+        if is_exact:
+            yield key, index, s, micros
+        else:
+            heapq.heappush(heap, (_bound(ev, s, micros), index, True, s, micros))
+
+
+def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, *, keep: int):
     pruner = _Pruner(ev, structs)
     found: list[Candidate] = []
     found_times: list[float] = []
     rejected: list[Rejection] = []
-    for bound, _, s, micros, times in entries:
+    largest: dict[TrainingPlan, int] = {}  # structure -> index of its largest micro-batch that fits
+    guesses: dict[tuple, int] = {}  # partial checkpointing's last answer, by loss and activation offload
+    for bound, _, s, micros in _bound_order(ev, structs):
         if len(found) >= keep and bound >= found_times[keep - 1]:
             break
         known = pruner.known_miss(s, bound)
@@ -513,13 +586,19 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
                 hi = mid - 1
             else:
                 lo = mid
+        largest[s] = lo
         limit = ""
         if lo + 1 < len(micros):
             limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
+        times = [ev.speed(with_micro(s, m)).step_time_s for m in micros[:lo + 1]]
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
-            plan, best = _partial_checkpointing(ev, s, micros, lo, plan)
+            # first guess: the smallest micro-batch that does not fit without checkpointing
+            like = (s.loss, s.offload_activations)
+            guess = guesses.get(like, largest.get(s.with_(checkpointing="none"), -1) + 1)
+            plan, best = _partial_checkpointing(ev, s, micros, lo, plan, guess=min(guess, lo))
+            guesses[like] = best
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          micro_limit=limit if best == lo else "")
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
@@ -553,30 +632,65 @@ def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
     return s.checkpointing == "full" and ev.request.checkpointing is None and s.pp == 1
 
 
-def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan):
+def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan, *,
+                           guess: int = 0):
     """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
-    fits, the smallest number of checkpointed blocks K that still fits (memory falls as K
-    grows, so a bisection finds it), and the fastest of those plans. Micro-batches whose
-    no-recompute time cannot beat the best found are skipped. Returns (plan, micro index)."""
+    fits, the number of checkpointed blocks K a bisection finds (the smallest that fits where
+    memory falls as K grows; it does not always: tests/unit/test_planner_pruning.py), and the
+    fastest of those plans. Micro-batches whose no-recompute time cannot beat the best found are
+    skipped. Returns (plan, micro index).
+
+    The answer is the one a plain visit gives: micro-batches in order of their no-recompute step
+    time, each bisected over K, a plan replacing the best only when strictly faster, the visit
+    ending at the first micro-batch whose no-recompute step is not faster than the best. Fewer
+    memory estimates reach it, with no assumption about how memory or time vary with K: a
+    bisection is cut short once no K it can still end on is faster than the plan to beat (their
+    step times are priced directly), since it then cannot change the answer; and micro-batch
+    `guess` is bisected first, so there is a fast plan to beat from the start (comment below)."""
     num_blocks = ev.request.model.total_layers
-    best, best_j = full, micros.index(full.micro_batch_size)
-    best_t = ev.speed(full).step_time_s
-    for j in sorted(range(lo + 1), key=lambda i: ev.speed(with_micro(s.with_(checkpointing="none"),
-                                                                          micros[i])).step_time_s):
+    no_recompute = {i: ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
+                    for i in range(lo + 1)}
+    order = sorted(range(lo + 1), key=no_recompute.__getitem__)
+    rank = {j: r for r, j in enumerate(order)}  # ties between equal step times go to the earlier
+
+    def at(j: int, k: int) -> TrainingPlan:
         base = with_micro(s, micros[j])
-        if ev.speed(base.with_(checkpointing="none")).step_time_s >= best_t:
-            break
+        return base if k == num_blocks else base.with_(checkpointing=str(k))
+
+    def key(j: int, k: int) -> tuple[float, int]:
+        return ev.speed(at(j, k)).step_time_s, rank[j]
+
+    def smallest_k(j: int, beat: tuple[float, int]) -> int | None:
+        """The bisection's K at micro index j, or None once no K it can end on has a key below `beat`."""
         k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
         while k_lo < k_hi:
+            if not any(key(j, k) < beat for k in range(k_lo, k_hi + 1)):
+                return None
             mid = (k_lo + k_hi) // 2
-            if ev.check(base.with_(checkpointing=str(mid))).reason:
+            if ev.check(at(j, mid)).reason:
                 k_lo = mid + 1
             else:
                 k_hi = mid
-        plan = base if k_hi == num_blocks else base.with_(checkpointing=str(k_hi))
-        t = ev.speed(plan).step_time_s
-        if t < best_t:
-            best, best_j, best_t = plan, j, t
+        return k_hi if key(j, k_hi) < beat else None
+
+    best, best_j = full, micros.index(full.micro_batch_size)
+    best_key = (ev.speed(full).step_time_s, -1)
+    # Speculation: bisect `guess` first; `spec` is its plan's key. If that plan beats full
+    # checkpointing and the guess's no-recompute step is faster than it, the plain visit reaches
+    # the guess: every micro-batch before it in the order is no slower without recompute than the
+    # guess, so faster than spec's step, and the best until then is either slower than spec (no
+    # stop) or a key below spec, which is bisected to the end here too. So the visit's answer has
+    # a key <= spec, and until one below spec turns up (then the best is known exactly again),
+    # bisections are cut short against spec instead of the best, which is not known meanwhile.
+    spec_k = smallest_k(guess, best_key)
+    spec = key(guess, spec_k) if spec_k is not None and no_recompute[guess] < key(guess, spec_k)[0] else None
+    known = spec is None                    # whether best_key is the plain visit's best so far
+    for j in order:
+        if known and no_recompute[j] >= best_key[0]:
+            break
+        k = spec_k if j == guess and spec is not None else smallest_k(j, best_key if known else spec)
+        if k is not None and (not known or key(j, k) < best_key):  # unknown: k's key is <= spec
+            best, best_j, best_key, known = at(j, k), j, key(j, k), True
     return best, best_j
 
 

@@ -5,7 +5,9 @@ the search:
   (a) at a fixed ZeRO stage, precision, optimizer and layout, device memory does not grow with
       more offload, with checkpointing, or with overlap_comm off; it grows with the micro-batch;
   (b) host RAM does not depend on checkpointing, overlap_comm or the micro-batch, and does not
-      shrink with more CPU offload.
+      shrink with more CPU offload;
+  (c) activation offload never shortens a step: the same plan at the same micro-batch is at
+      least as slow with it (search._bound_order prices offload structures lazily on this).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 from memkit.estimate.allocator import K_LARGE_BUFFER
 from memkit.estimate.memory import estimate_memory
+from memkit.estimate.throughput import estimate_step_time
 from memkit.plan import TrainingPlan
 from memkit.planner.space import bucket_sizes
 from memkit.spec.hardware import Hardware, find_gpu
@@ -85,3 +88,22 @@ def test_host_memory_ignores_device_only_knobs_and_grows_with_offload(name, gpu,
             assert len(values) == 1, (zero, o, q, values)
             hosts.append(values.pop())
         assert hosts == sorted(hosts), (zero, hosts)
+
+
+@pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
+@pytest.mark.parametrize("name", MODELS)
+def test_activation_offload_never_shortens_a_step(name, gpu, per_node, nodes):
+    model = load_model_spec(name)
+    hardware = Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes)
+    plan = _plans(model, hardware)
+
+    def step_s(p):
+        return estimate_step_time(model, p, hardware).step_time_s
+
+    for zero, combos in OFFLOADS.items():
+        for o, q in combos:
+            for ckpt in ("none", "2", "full"):
+                for micro in (1, 4):
+                    kept = plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=ckpt,
+                                micro_batch_size=micro, grad_accum=2)
+                    assert step_s(kept.with_(offload_activations="cpu")) >= step_s(kept), (zero, o, q, ckpt, micro)
