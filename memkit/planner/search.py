@@ -579,13 +579,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             pruner.record(s, v, rej)
             rejected.append(rej)
             continue
-        lo, hi = 0, len(micros) - 1          # lo fits; find the largest index that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ev.check(with_micro(s, micros[mid])).reason:
-                hi = mid - 1
-            else:
-                lo = mid
+        lo = _largest_fitting(ev, s, micros)
         largest[s] = lo
         limit = ""
         if lo + 1 < len(micros):
@@ -630,6 +624,19 @@ def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
 
 def _tries_partial(ev: _Evaluator, s: TrainingPlan) -> bool:
     return s.checkpointing == "full" and ev.request.checkpointing is None and s.pp == 1
+
+
+def _largest_fitting(ev: "_Evaluator", s: TrainingPlan, micros: list[int]) -> int:
+    """Index of the largest micro-batch of `micros` (ascending) that fits, given that micros[0]
+    fits: a bisection over the fits / does-not-fit boundary."""
+    lo, hi = 0, len(micros) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ev.check(with_micro(s, micros[mid])).reason:
+            hi = mid - 1
+        else:
+            lo = mid
+    return lo
 
 
 def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan, *,

@@ -14,7 +14,8 @@ import pytest
 
 from memkit.estimate.memory import estimate_memory
 from memkit.planner import Request
-from memkit.planner.search import _bound, _bound_order, _Evaluator, _partial_checkpointing, _tries_partial
+from memkit.planner.search import (_bound, _bound_order, _Evaluator, _largest_fitting, _partial_checkpointing,
+                                   _tries_partial)
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers, with_micro
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
@@ -35,17 +36,6 @@ def _request(name: str) -> Request:
 
 def _structures(req: Request):
     return structures(req, tiers(req)[0], layouts(req)[0])
-
-
-def _largest_fitting(ev: _Evaluator, s, micros) -> int:
-    lo, hi = 0, len(micros) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ev.check(with_micro(s, micros[mid])).reason:
-            hi = mid - 1
-        else:
-            lo = mid
-    return lo
 
 
 def _plain_partial(ev: _Evaluator, s, micros, lo: int, full):
