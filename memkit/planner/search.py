@@ -133,6 +133,10 @@ class _Evaluator:
         self.budget = request.budget_bytes
         self.memo = memo or _Memo()
         self._cache: dict[TrainingPlan, _Verdict] = {}
+        from memkit.estimate.memory import estimate_memory
+
+        # The lower bound below is a fact about memkit's own estimator (a --stack partial of it too).
+        self.bounded = estimate_memory in (estimator, getattr(estimator, "func", None))
 
     @property
     def num_calls(self) -> int:
@@ -144,6 +148,11 @@ class _Evaluator:
             return hit
         hw = self.request.hardware
         est = self.memo.estimates.get(plan)
+        if est is None and self.bounded:
+            out = _pipeline_buffers_miss(self.request, plan, self.budget)
+            if out is not None:
+                self._cache[plan] = out
+                return out
         if est is None:
             self.memo.num_calls += 1
             try:
@@ -182,6 +191,34 @@ class _Evaluator:
         if hit is None:
             hit = self.memo.speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
         return hit
+
+
+PIPELINE_REPLAY_ACCUM = 1024
+"""Gradient accumulation above which a pipeline plan is first checked against a closed-form lower
+bound: the replay allocates one receive buffer per micro-batch (estimate/pipeline.py
+stage_buffers), so its cost grows with the accumulation (seconds at 10^4, hours at 10^8)."""
+
+
+def _pipeline_buffers_miss(request: Request, plan: TrainingPlan, budget: int) -> "_Verdict | None":
+    """The verdict of a pipeline plan with a long accumulation whose receive buffers alone exceed
+    the budget, without the replay; None when the bound does not decide (then the plan is estimated).
+
+    The bound: stage 0 (not the last when pp > 1) holds (in flight + 1 + m) stage-boundary tensors,
+    one block input each, at every moment (estimate/pipeline.py stage_buffers, held_bytes), so its
+    allocated peak -- and the estimate's, the worst stage's nvidia-smi peak -- is at least
+    m x one block input (estimate/activations.py block_activations, input_bytes)."""
+    if plan.pp == 1 or plan.grad_accum <= PIPELINE_REPLAY_ACCUM:
+        return None
+    from memkit.estimate.activations import block_activations
+
+    try:
+        floor = plan.grad_accum * block_activations(request.model, plan).input_bytes
+    except MemkitError:
+        return None  # the estimator says it in its own words
+    if floor <= budget:
+        return None
+    return _Verdict(None, f"at least {floor / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget (the pipeline's "
+                          f"{plan.grad_accum} micro-batch receive buffers alone)", floor / budget, True, False)
 
 
 @dataclass(slots=True)
