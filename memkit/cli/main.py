@@ -2,6 +2,9 @@
 
 Each subcommand module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
 Exit codes: 0 ok, 2 bad input (MemkitError), 3 no plan fits (NoFeasiblePlan).
+
+Only the subcommand that runs is imported (its module pulls in the estimator, the planner or the
+runner); `memkit --help` reads each module's one-line HELP from its source, so it imports none.
 """
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import argparse
 import importlib
 import sys
 
-from memkit.validate import check_args, harden
 from memkit.errors import MemkitError
 
 COMMANDS = {
@@ -35,10 +37,47 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _help_line(module_name: str) -> str | None:
+    """The module's `HELP = "..."` line read from its source without importing it (a literal on
+    one line); None when it is not there in that form (then the module is imported), or when the
+    subcommand does not exist."""
+    import ast
+    from importlib.util import find_spec
+
+    spec = find_spec(module_name)
+    if spec is None or not spec.origin:
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("HELP = "):
+                    return ast.literal_eval(line[len("HELP = "):].strip())
+    except (OSError, ValueError, SyntaxError):
+        pass
+    return None
+
+
+def _selected(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (argparse takes the first positional)."""
+    for token in argv:
+        if token == "--":
+            return None
+        if not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv`, only the subcommand it names gets its arguments (and is imported),
+    the others are listed by their HELP line. Without `argv`, every subcommand is built."""
+    chosen = _selected(argv) if argv is not None else None
     parser = _Parser(prog="memkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, module_name in COMMANDS.items():
+        help_line = _help_line(module_name) if argv is not None and name != chosen else None
+        if help_line is not None:
+            sub.add_parser(name, help=help_line, description=help_line)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -48,15 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
+    if chosen is None and argv is not None:
+        return parser  # no typed flag to harden: the top-level help
+    from memkit.validate import harden
+
     return harden(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    from memkit.validate import check_args
+
     try:
         check_args(args)  # ranges, paths, data: before anything is launched or written
         return int(args._run(args) or 0)
