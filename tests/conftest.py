@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,12 +10,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every e2e test (a real multi-process run) is also `slow`: `pytest -m "not slow"` is the
+    inner loop, the full suite (.ci/run) runs everything."""
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_cpu_ops(request):
     """Build DeepSpeed's CPU ops once, before the first e2e test, outside every timed launch
-    (tests/prebuild_ops.py); launch timeouts are then hang guards, not build-time margins."""
+    (tests/prebuild_ops.py); launch timeouts are then hang guards, not build-time margins.
+    Under pytest-xdist every worker runs this fixture: a file lock lets the first build and the
+    others wait, then find the ops in the torch-extensions cache."""
     if any(item.get_closest_marker("e2e") for item in request.session.items):
+        from filelock import FileLock
+
         from prebuild_ops import prebuild
 
-        prebuild()
+        with FileLock(str(Path(tempfile.gettempdir()) / "memkit-tests-prebuild-ops.lock")):
+            prebuild()
     yield
