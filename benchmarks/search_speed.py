@@ -4,7 +4,8 @@ runs for the same question). Prints a table; asserts nothing (tests never time t
     python benchmarks/search_speed.py [--repeat 5]
 
 Per row: the request, plan shapes in the space, memory estimates the branch-and-bound search
-actually made, median wall time of the whole search, and the plan it picked.
+actually made, median process CPU seconds and wall time of the whole search (CPU is what the
+search costs; wall also counts whatever else the machine runs), and the plan it picked.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from memkit.spec.hf import load_model_spec
 from memkit.units import GIB
 
 # (model, gpu, GPUs per node, nodes, global batch, seq len, layout, host RAM GiB per node); layout:
-# "dp" pins tp=pp=1, "if-needed" is `memkit suggest`'s default (splits searched only when
-# nothing fits without them), "auto" lets tp/pp compete on speed (--tp auto --pp auto).
+# "dp" pins tp=pp=1, "if-needed" searches splits only when nothing fits without them, "auto"
+# lets tp/pp compete on speed: `memkit suggest` without --tp/--pp (cli/suggest.py, split="auto").
 CASES = [
     ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, "dp", 256),
     ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, "if-needed", 256),
@@ -35,6 +36,11 @@ CASES = [
     # micro-batch options come from factorising the per-rank batch (planner/space.py
     # divisors_up_to), so a 10^9-sequence batch costs what a 64-sequence one does
     ("llama-3.1-8b", "a100-80gb", 8, 1, 1_000_000_000, 2048, "dp", 1024),
+    # issue 22's rows as `memkit suggest` runs them, no pins (the README main job; 70B on 8 x 8;
+    # a 10^9-sequence batch with the splits searched too)
+    ("llama-3.1-8b", "rtx-4090", 2, 1, 64, 2048, "auto", 256),
+    ("llama-3.1-70b", "h100-80gb", 8, 8, 512, 4096, "auto", 2048),
+    ("llama-3.1-8b", "a100-80gb", 8, 1, 1_000_000_000, 2048, "auto", 1024),
 ]
 
 
@@ -45,11 +51,11 @@ def run_case(case, repeat: int) -> list[str]:
                       pp=pinned, split="auto" if layout == "auto" else "if-needed",
                       hardware=Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes,
                                         host_ram_bytes_per_node=host_gib * GIB))
-    times = []
+    times, cpu = [], []
     outcome = ""
     shapes = estimates = 0
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         try:
             result = search(request)
             outcome = (f"{result.chosen.label} ({result.chosen.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB, "
@@ -58,9 +64,10 @@ def run_case(case, repeat: int) -> list[str]:
         except NoPlanFits as exc:
             outcome = f"no plan fits ({len(exc.misses)} nearest misses)"
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     layout = "tp=1 pp=1" if layout == "dp" else layout
     return [f"{model_name} {nodes}x{per_node} {gpu}", f"{batch}x{seq}", layout, str(shapes or "-"),
-            str(estimates or "-"), f"{statistics.median(times) * 1000:.0f} ms", outcome]
+            str(estimates or "-"), f"{statistics.median(cpu):.2f} s", f"{statistics.median(times):.2f} s", outcome]
 
 
 def main(argv=None) -> int:
@@ -70,8 +77,8 @@ def main(argv=None) -> int:
     from memkit.cli.render import format_table
 
     rows = [run_case(case, args.repeat) for case in CASES]
-    print(format_table(["request (nodes x GPUs)", "batch x seq", "layout", "shapes", "estimates", "median",
-                        "chosen"], rows, right={3, 4, 5}))
+    print(format_table(["request (nodes x GPUs)", "batch x seq", "layout", "shapes", "estimates", "CPU",
+                        "wall", "chosen"], rows, right={3, 4, 5, 6}))
     return 0
 
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,30 +75,65 @@ def _search(req: PresetRequest):
         return None
 
 
-def plan_presets() -> tuple[dict[PresetRequest, object], list[PresetRequest]]:
-    """(request -> SearchResult for every preset, requests that fit on no count of that card)."""
+def _groups() -> list[tuple[str, str, bool, int]]:
+    """(model, card, LoRA, sequence) of every preset family, in the order the presets are listed."""
+    return [(model, gpu, lora, seq) for model in MODELS for gpu in GPUS.values() for lora in (False, True)
+            for seq in (SEQ_LENS if model == SEQ_SWEEP_MODEL else (MAIN_SEQ,))]
+
+
+def _plan_group(group: tuple[str, str, bool, int]):
+    """One family: the fewest GPUs that fit, and the full node at the main sequence length.
+    Returns ([(request, SearchResult)], [miss])."""
+    model, gpu, lora, seq = group
+    chosen, misses = [], []
+    counts = COUNTS if seq == MAIN_SEQ else COUNTS[:-1]
+    found = None
+    for n in counts:
+        req = PresetRequest(model, gpu, n, seq, lora)
+        result = _search(req)
+        if result is not None:
+            found = result
+            chosen.append((req, result))
+            break
+    if seq == MAIN_SEQ and (found is None or found.request.hardware.num_gpus != 8):
+        full_node = PresetRequest(model, gpu, 8, seq, lora)
+        result = _search(full_node)
+        if result is not None:
+            chosen.append((full_node, result))
+        elif found is None:
+            misses.append(full_node)
+    return chosen, misses
+
+
+def plan_presets(*, workers: int | None = None, progress=None) -> tuple[dict[PresetRequest, object], list[PresetRequest]]:
+    """(request -> SearchResult for every preset, requests that fit on no count of that card).
+    The families are independent searches: `workers` processes share them (default: one per CPU);
+    `progress(done, total, group)` is called as each finishes."""
+    import os
+
+    groups = _groups()
+    workers = workers or min(len(groups), os.cpu_count() or 1)
+    results: dict[tuple, tuple] = {}
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(_plan_group, g): g for g in groups}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                if progress:
+                    progress(len(results), len(groups), futures[future])
+    else:
+        for g in groups:
+            results[g] = _plan_group(g)
+            if progress:
+                progress(len(results), len(groups), g)
     chosen: dict[PresetRequest, object] = {}
     misses: list[PresetRequest] = []
-    for model in MODELS:
-        for gpu in GPUS.values():
-            for lora in (False, True):
-                seqs = SEQ_LENS if model == SEQ_SWEEP_MODEL else (MAIN_SEQ,)
-                for seq in seqs:
-                    counts = COUNTS if seq == MAIN_SEQ else COUNTS[:-1]
-                    found = None
-                    for n in counts:
-                        req = PresetRequest(model, gpu, n, seq, lora)
-                        result = _search(req)
-                        if result is not None:
-                            chosen[req] = found = result
-                            break
-                    if seq == MAIN_SEQ and (found is None or found.request.hardware.num_gpus != 8):
-                        full_node = PresetRequest(model, gpu, 8, seq, lora)
-                        result = _search(full_node)
-                        if result is not None:
-                            chosen[full_node] = result
-                        elif found is None:
-                            misses.append(full_node)
+    for g in groups:  # in the families' order, whatever order they finished in
+        pairs, missed = results[g]
+        chosen.update(pairs)
+        misses += missed
     return chosen, misses
 
 
@@ -205,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only report stale presets (exit 1 if any)")
     args = parser.parse_args(argv)
     root = presets_dir()
-    files = render(*plan_presets())
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, group) -> None:
+        model, gpu, lora, seq = group
+        print(f"[{done}/{total}] {model} {'LoRA' if lora else 'full'} {seq // 1024}k on {gpu} "
+              f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    files = render(*plan_presets(progress=progress))
     if args.check:
         stale = stale_files(files, root)
         for path in stale:
