@@ -1,52 +1,196 @@
-"""A plan.json, checked field by field: the types and values `memkit suggest --out` wrote, so
-`explain`, `verify`, `train` and `launch-script` never crash on a hand-edited or damaged file
-(a `precision: "fp8"` used to be a KeyError in explain). Pure: raises MemkitError, no I/O.
+"""plan.json's schema: every field memkit reads back, its type and its range, checked where the
+file is read (memkit.emit.plan_doc.check), so `explain`, `explain --check`, `verify`, `train
+--plan`, `launch-script` and the Trainer callback never run or crash on a hand-edited, foreign or
+damaged file. Pure: raises MemkitError (one line: where, the field, the value, the fix), no I/O.
+
+The schema is data (PLAN_FIELDS, SECTIONS), so tests/unit/test_bad_input_matrix.py generates its
+mutations from it: every field x wrong type / out of range / missing.
+
+Format versions: 1 is what `memkit suggest --out` writes (memkit.emit.plan_doc.PLAN_FORMAT_VERSION).
+A document without "format_version" is the previous layout (memkit before the plan document had
+a version, and hand-written files): `migrate` reads it as version 1 (a "model" object becomes its
+name; hardware, estimate and step_time are not required). A newer version is refused with the
+memkit that wrote it and the one reading it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from memkit.errors import MemkitError
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+FIX = "fix the file or make it again with memkit suggest --out"
+MAX_BUFFER_ELEMENTS = 10**12
+"""ZeRO bucket/threshold sizes in elements: DeepSpeed's models say only >= 0
+(deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig: Field(..., ge=0)); 10^12 fp32 elements
+is 4 TB, beyond any device, so larger is a typo."""
+MAX_GPUS = 1024 * 100_000
+"""dp x tp x pp at most: --num-gpus (1024 per node) x --num-nodes (100,000), memkit.validate.LIMITS."""
+MAX_BYTES = 2**60
+"""Any byte count in a plan (1 EiB: beyond any node)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One JSON value: its kind ('int', 'float', 'str', 'bool', 'names', 'object', 'list'), its
+    inclusive range for numbers, whether the document must have it."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    required: bool = True
+
+    def error(self, value) -> str | None:
+        """Why `value` is not this field's, or None."""
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else "not true/false"
+        if self.kind in ("int", "float"):
+            ok = isinstance(value, int if self.kind == "int" else (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value):
+                return f"not {'an integer' if self.kind == 'int' else 'a number'}"
+            if self.lo is not None and value < self.lo or self.hi is not None and value > self.hi:
+                return f"out of range ({self.lo:,g} to {self.hi:,g})" if self.hi is not None \
+                    else f"below {self.lo:g}"
+            return None
+        if self.kind == "str":
+            return None if isinstance(value, str) and value.strip() else "not a non-empty name"
+        if self.kind == "names":
+            return None if isinstance(value, list) and all(isinstance(v, str) and v for v in value) \
+                else "not a list of names"
+        if self.kind == "object":
+            return None if isinstance(value, dict) else "not an object"
+        if self.kind == "list":
+            return None if isinstance(value, list) else "not a list"
+        raise AssertionError(self.kind)
+
+
+def _limit(dest: str, kind: str = "int") -> Field:
+    """A plan field with the range of its command-line flag (one table: memkit.validate.LIMITS)."""
+    from memkit.validate import LIMITS
+
+    lo, hi, _ = LIMITS[dest]
+    return Field(kind, lo, hi)
+
+
+def _plan_fields() -> dict[str, Field]:
+    """Every TrainingPlan field. Choices (precision, engine, ...) and cross-field rules are
+    TrainingPlan.validate's; here: type and range. Required: the knobs every memkit plan.json has
+    had; the others default to TrainingPlan's defaults (DeepSpeed's own)."""
+    from memkit.plan import TrainingPlan
+
+    kinds = {"str": "str", "int": "int", "float": "float", "bool": "bool"}
+    out = {f.name: Field("names" if str(f.type).startswith("tuple") else kinds[str(f.type)], required=False)
+           for f in fields(TrainingPlan)}
+    out.update({
+        "micro_batch_size": _limit("micro_batch_size"), "grad_accum": _limit("grad_accum"),
+        "seq_len": _limit("seq_len"), "dp": Field("int", 1, MAX_GPUS), "tp": _limit("tp"), "pp": _limit("pp"),
+        "zero_stage": Field("int", 0, 3), "lora_rank": _limit("lora_rank"),
+        "lora_alpha": Field("int", 1, _limit("lora_alpha").hi, required=False),
+        "lora_dropout": Field("float", 0.0, _limit("lora_dropout", "float").hi, required=False),
+        "gradient_clipping": Field("float", 0.0, _limit("gradient_clipping", "float").hi, required=False),
+    })
+    for name in ("precision", "optimizer", "engine"):
+        out[name] = Field("str")
+    for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                 "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_param_persistence_threshold"):
+        out[name] = Field("int", 0, MAX_BUFFER_ELEMENTS, required=False)
+    return out
+
+
+def _bytes(required: bool = True) -> Field:
+    return Field("int", 0, MAX_BYTES, required=required)
+
+
+SECTIONS: dict[str, dict[str, Field]] = {
+    "hardware": {"gpu": Field("str"), "num_gpus_per_node": Field("int", 1, 1024),
+                 "num_nodes": Field("int", 1, 100_000), "gpu_memory_bytes": Field("int", 2**20, 2**44, False),
+                 "host_ram_bytes_per_node": Field("int", 2**20, 2**54, False),
+                 "nvme_bytes_per_node": _bytes(False), "inter_node_gbps": Field("float", 0.0, 1e6, False)},
+    "estimate": {"nvidia_smi_peak_bytes": _bytes(), "reserved_peak_bytes": _bytes(),
+                 "allocated_peak_bytes": _bytes(), "device_total_bytes": Field("int", 1, MAX_BYTES),
+                 "host_bytes_per_node": _bytes(), "components": Field("object", required=False),
+                 "peak_phase": Field("str", required=False)},
+    "step_time": {"tokens_per_s": Field("float", 0.0, 1e15), "step_time_s": Field("float", 1e-12, 1e12),
+                  "mfu": Field("float", 0.0, 1.0)},
+}
+"""Sections of a format-1 document and the fields explain renders from them (GPU and host limits
+as --gpu-memory/--host-ram take them, memkit.validate._SIZE_LIMITS)."""
+TOP: dict[str, Field] = {
+    "model": Field("str"), "plan": Field("object"), "hardware": Field("object"), "estimate": Field("object"),
+    "step_time": Field("object"), "label": Field("str", required=False), "alternatives": Field("list", required=False),
+    "rejected": Field("list", required=False), "notes": Field("list", required=False),
+    "request": Field("object", required=False), "search": Field("object", required=False),
+    "budget_bytes": Field("int", 1, MAX_BYTES, required=False), "versions": Field("object", required=False),
+    "engines": Field("object", required=False), "trainer_arguments": Field("object", required=False),
+}
+
+
+def plan_fields() -> dict[str, Field]:
+    return _plan_fields()
+
+
+def _check(value, spec: Field, *, where: str, name: str) -> None:
+    reason = spec.error(value)
+    if reason:
+        raise MemkitError(f"{where}: {name} is {_short(value)}, {reason}; {FIX}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_block(block: dict, specs: dict[str, Field], *, where: str, prefix: str) -> None:
+    for key, spec in specs.items():
+        if key not in block:
+            if spec.required:
+                raise MemkitError(f"{where}: {prefix}{key} is missing; {FIX}")
+            continue
+        _check(block[key], spec, where=where, name=f"{prefix}{key}")
 
 
 def check_plan_fields(data, *, where: str) -> None:
-    """Each field of a plan object has its TrainingPlan type (bool is not an int here)."""
-    from memkit.plan import TrainingPlan
-
+    """Each field of a plan object has its TrainingPlan type and range (bool is not an int here);
+    `required` fields present."""
     if not isinstance(data, dict):
         raise MemkitError(f"{where}: 'plan' is a {type(data).__name__}, not an object; write the file again "
                           "with memkit suggest --out")
-    for field in fields(TrainingPlan):
-        if field.name not in data:
-            continue
-        value = data[field.name]
-        kind = str(field.type)
-        if kind.startswith("tuple"):
-            ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value) \
-                and (bool(value) or not data.get("lora_rank"))
-        else:
-            types = _TYPES.get(kind)
-            ok = types is None or (isinstance(value, types) and (kind == "bool" or not isinstance(value, bool)))
-            if ok and kind == "float":
-                ok = math.isfinite(value)
-        if not ok:
-            raise MemkitError(f"{where}: plan.{field.name} is {value!r}, not a {kind}; fix the file or make "
-                              "it again with memkit suggest --out")
+    specs = _plan_fields()
+    unknown = sorted(set(data) - set(specs))
+    if unknown:
+        raise MemkitError(f"{where}: plan has unknown keys {unknown}; is it from a newer memkit?")
+    _check_block(data, specs, where=where, prefix="plan.")
+    if data.get("lora_rank") and not data.get("lora_targets", True):
+        raise MemkitError(f"{where}: plan.lora_targets is empty with lora_rank {data['lora_rank']}; {FIX}")
 
 
-def _number(doc: dict, section: str, key: str, *, where: str, positive: bool = False) -> None:
-    block = doc.get(section) if section else doc
-    value = block.get(key) if isinstance(block, dict) else None
-    good = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if good and positive:
-        good = value > 0
-    if not good:
-        name = f"{section}.{key}" if section else key
-        raise MemkitError(f"{where}: {name} is {value!r}, not a {'positive ' if positive else ''}number; "
-                          "fix the file or make it again with memkit suggest --out")
+def check_format(doc: dict, *, where: str) -> int:
+    """The document's format version, or one line saying who wrote it and what this memkit reads."""
+    from memkit.emit.plan_doc import PLAN_FORMAT_VERSION, versions
+
+    if "format_version" not in doc:
+        return 0
+    version = doc["format_version"]
+    writer = (doc.get("versions") or {}).get("memkit") if isinstance(doc.get("versions"), dict) else None
+    this = versions().get("memkit")
+    written = f"written by memkit {writer}" if writer else "written by an unknown memkit"
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise MemkitError(f"{where}: format_version {_short(version)} is not a plan.json format number "
+                          f"({written}; this is memkit {this}, which reads format {PLAN_FORMAT_VERSION}); {FIX}")
+    if version > PLAN_FORMAT_VERSION:
+        raise MemkitError(f"{where}: plan.json format {version}, {written}; this is memkit {this}, which reads "
+                          f"format {PLAN_FORMAT_VERSION}: upgrade memkit or make the plan again with this one")
+    return version
+
+
+def migrate(doc: dict) -> dict:
+    """A version-0 document (no format_version: hand-written, or from a memkit before the plan
+    document had one) as version 1 reads it: "model" may be an object naming the model."""
+    out = dict(doc)
+    model = out.get("model")
+    if isinstance(model, dict):
+        out["model"] = model.get("name") or model.get("model")
+    return out
 
 
 def check_hardware_sizes(hw: dict, *, where: str) -> None:
@@ -58,46 +202,69 @@ def check_hardware_sizes(hw: dict, *, where: str) -> None:
                               "needs it (make the file again with memkit suggest --out)")
 
 
-def check_plan_document(doc: dict, *, where: str):
-    """The fields `explain` renders and `verify`/`train` read; returns the validated TrainingPlan."""
+def _model_blocks(name: str) -> int | None:
+    """The model's decoder blocks if memkit can read its config here (catalog name or a local
+    folder), else None (explain prints a plan for a model this machine does not have)."""
+    try:
+        from memkit.spec.hf import load_model_spec
+
+        return load_model_spec(name).total_layers
+    except (MemkitError, OSError, ValueError):
+        return None
+
+
+def check_cross_fields(doc: dict, *, where: str):
+    """TrainingPlan.validate with what the document knows: the recorded hardware's GPU count
+    (dp x tp x pp must equal it) and the model's blocks (checkpointing K <= blocks)."""
     from memkit.plan import TrainingPlan
 
-    check_plan_fields(doc.get("plan"), where=where)
-    plan = TrainingPlan.from_dict(doc["plan"]).validate()
-    for section in ("hardware", "estimate", "step_time"):
-        if not isinstance(doc.get(section), dict):
-            raise MemkitError(f"{where}: '{section}' is not an object; make the file again with memkit suggest --out")
-    if not isinstance(doc.get("model"), str) or not isinstance(doc["hardware"].get("gpu"), str):
-        raise MemkitError(f"{where}: 'model' and 'hardware.gpu' must be names (strings)")
-    for key in ("num_gpus_per_node", "num_nodes"):
-        value = doc["hardware"].get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MemkitError(f"{where}: hardware.{key} is {value!r}, not a positive integer")
-    for key in ("nvidia_smi_peak_bytes", "reserved_peak_bytes", "allocated_peak_bytes", "device_total_bytes",
-                "host_bytes_per_node"):
-        _number(doc, "estimate", key, where=where)
-    for key in ("tokens_per_s", "step_time_s", "mfu"):
-        _number(doc, "step_time", key, where=where)
-    components = doc["estimate"].get("components", {})
-    if not isinstance(components, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in components.values()):
-        raise MemkitError(f"{where}: estimate.components must map names to byte counts")
-    for optional in ("budget_bytes",):
-        if doc.get(optional) is not None:
-            _number(doc, "", optional, where=where, positive=True)
+    hw = doc.get("hardware")
+    num_gpus = hw["num_gpus_per_node"] * hw["num_nodes"] if isinstance(hw, dict) and \
+        isinstance(hw.get("num_gpus_per_node"), int) and isinstance(hw.get("num_nodes"), int) else None
+    blocks = _model_blocks(doc["model"]) if isinstance(doc.get("model"), str) and \
+        str(doc["plan"].get("checkpointing", "none")).isdigit() else None
+    try:
+        return TrainingPlan.from_dict(doc["plan"]).validate(num_gpus=num_gpus, num_blocks=blocks)
+    except MemkitError as exc:
+        raise MemkitError(f"{where}: {exc}") from None
+
+
+def check_plan_document(doc: dict, *, where: str, require: tuple[str, ...] = ()):
+    """A format-1 document: every field of TOP, SECTIONS and the plan, then the cross-field rules;
+    returns the validated TrainingPlan."""
+    _check_block(doc, {k: (Field(s.kind) if k in require else s) for k, s in TOP.items()}, where=where, prefix="")
+    check_plan_fields(doc["plan"], where=where)
+    for section, specs in SECTIONS.items():
+        if section in doc:
+            _check_block(doc[section], specs, where=where, prefix=f"{section}.")
+    components = doc.get("estimate", {}).get("components", {})
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in components.values()):
+        raise MemkitError(f"{where}: estimate.components must map names to byte counts; {FIX}")
     if isinstance(doc.get("request"), dict) and "headroom" in doc["request"]:
-        _number(doc, "request", "headroom", where=where)
+        _check(doc["request"]["headroom"], Field("float", 0.0, 0.9), where=where, name="request.headroom")
     for key, needed in (("alternatives", ("nvidia_smi_peak_bytes", "tokens_per_s", "step_time_s", "mfu")),
                         ("rejected", ("step_time_s_if_it_fit",))):
-        items = doc.get(key, [])
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise MemkitError(f"{where}: '{key}' must be a list of objects")
-        for i, item in enumerate(items):
+        for i, item in enumerate(doc.get(key, [])):
+            if not isinstance(item, dict):
+                raise MemkitError(f"{where}: {key}[{i}] is not an object; {FIX}")
             for name in needed:
-                _number(item, "", name, where=f"{where}: {key}[{i}]", positive=name.startswith("step_time"))
-    for key in ("notes",):
-        if not isinstance(doc.get(key, []), list):
-            raise MemkitError(f"{where}: '{key}' must be a list of strings")
-    if doc.get("search") is not None and not isinstance(doc["search"], dict):
-        raise MemkitError(f"{where}: 'search' must be an object")
-    return plan
+                spec = SECTIONS["step_time"].get(name) or SECTIONS["estimate"].get(name) or \
+                    SECTIONS["step_time"]["step_time_s"]
+                _check_block(item, {name: spec}, where=where, prefix=f"{key}[{i}].")
+    return check_cross_fields(doc, where=where)
+
+
+def check_legacy_document(doc: dict, *, where: str):
+    """A version-0 document (migrated): its plan's fields that are there, its hardware's counts."""
+    check_plan_fields(doc["plan"], where=where)
+    hw = doc.get("hardware", {})
+    if not isinstance(hw, dict):
+        raise MemkitError(f"{where}: 'hardware' is not an object; {FIX}")
+    _check_block(hw, {k: Field(s.kind, s.lo, s.hi, required=False) for k, s in SECTIONS["hardware"].items()},
+                 where=where, prefix="hardware.")
+    from memkit.plan import TrainingPlan
+
+    try:
+        return TrainingPlan.from_dict(doc["plan"]).validate()
+    except MemkitError as exc:
+        raise MemkitError(f"{where}: {exc}") from None
