@@ -62,6 +62,9 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "seed": (0, 2**32 - 1, "random seed"),  # numpy/torch generators take 32-bit seeds portably
     "timeout_s": (1, 10**7, "seconds"),
     "dist_timeout_s": (1, 10**7, "seconds"),
+    "num_epochs": (1e-6, 10_000.0, "passes over the data"),  # a sanity cap: beyond it is a typo (1e30)
+    "eval_every": (0, 10**9, "optimizer steps (0 = at the end)"),
+    "cpus_per_node": (1, 8192, "CPUs per node"),  # Linux's largest NR_CPUS (arch/x86/Kconfig, MAXSMP)
 }
 _SIZE_LIMITS = {"gpu_memory": (2**20, 2**44, "--gpu-memory", "1MiB and 16TiB"),  # bytes
                 "host_ram": (2**20, 2**54, "--host-ram", "1MiB and 16PiB")}
@@ -155,8 +158,18 @@ def check_args(args: argparse.Namespace) -> None:
     if targets is not None and not [t for t in targets.split(",") if t.strip()]:
         raise MemkitError(f"--lora-targets {targets!r} names no module; pass e.g. q_proj,v_proj "
                           "(or leave the flag out for the model's defaults)")
-    if command == "suggest" and getattr(args, "out", None):
+    steps = getattr(args, "max_steps", None)
+    every = getattr(args, "eval_every", None)
+    if isinstance(steps, int) and isinstance(every, int) and every > steps:
+        raise MemkitError(f"--eval-every {every} is beyond the run's --max-steps {steps}; pass at most {steps} "
+                          "(or 0 to evaluate at the end)")
+    if getattr(args, "main_process_ip", None) is not None:
+        check_host(args.main_process_ip, what="--main-process-ip")
+    if command in ("suggest", "preset") and getattr(args, "out", None):
+        from memkit.emit.bundle import check_target
+
         check_output_dir(args.out, what="--out")
+        check_target(args.out, force=getattr(args, "force", False))  # before the search: nothing of theirs replaced
     if command == "launch-script":
         check_output_file(args.out, what="--out")
     if getattr(args, "plot", None):
@@ -175,6 +188,28 @@ def check_args(args: argparse.Namespace) -> None:
         check_resume_path(args.resume)
     if command == "verify" and getattr(args, "model", None) is not None:
         check_model(args.model)
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(name: str, *, what: str) -> str:
+    """A host name as launch scripts and accelerate.yaml paste it: an IPv4/IPv6 literal
+    (ipaddress), or an RFC 1123 name (Sec. 2.1; labels of letters, digits and inner hyphens, 1-63
+    characters each, 253 in all; RFC 1035 Sec. 2.3.4). Nothing else reaches a shell line."""
+    import ipaddress
+
+    text = name.strip("[]") if name.startswith("[") else name
+    try:
+        ipaddress.ip_address(text)
+        return name
+    except ValueError:
+        pass
+    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
+    if not name or len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise MemkitError(f"{what} {name!r} is not a host name or IP address; use letters, digits, '-' and '.' "
+                          "(RFC 1123), e.g. node-01 or 10.0.0.1")
+    return name
 
 
 def _existing_ancestor(path: Path) -> Path:

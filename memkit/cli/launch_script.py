@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    how = f"sbatch {out}" if args.slurm else f"bash {out}"
+    how = f"sbatch {shlex.quote(str(out))}" if args.slurm else f"bash {shlex.quote(str(out))}"
     split = f" (dp {plan.dp} x tp {plan.tp} x pp {plan.pp})" if plan.tp > 1 or plan.pp > 1 else ""
     print(f"wrote {out}: {num_machines} nodes x {per_node} processes{split}; start it with `{how}`")
     return 0
@@ -125,7 +125,9 @@ def read_hostfile(path: str) -> tuple[list[str], int | None]:
         if not line:
             continue
         parts = line.split()
-        hosts.append(parts[0])
+        from memkit.validate import check_host
+
+        hosts.append(check_host(parts[0], what=f"--hostfile {path}: line {line_no}: host"))
         for part in parts[1:]:
             key, _, value = part.partition("=")
             if key == "slots":
@@ -203,7 +205,7 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         "# Ctrl-C / SIGTERM: every host's launcher gets the signal (its ranks checkpoint and stop).",
         "set -euo pipefail",
         "HOSTS=(" + " ".join(shlex.quote(h) for h in hosts) + ")",
-        f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',
+        f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',  # a checked host name (read_hostfile)
         f'MASTER_PORT="${{MEMKIT_MASTER_PORT:-{port}}}"',
         'RUN_ID="${MEMKIT_RUN_ID:-$(date +%s)-$$}"',
         f"WORKDIR={shlex.quote(os.getcwd())}",
@@ -230,8 +232,8 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         "trap 'stop_all INT' INT",
         "trap 'stop_all TERM' TERM",
         'for i in "${!HOSTS[@]}"; do',
-        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_RUN_ID=$RUN_ID MEMKIT_MASTER_ADDR=$MASTER_ADDR '
-        'MEMKIT_MASTER_PORT=$MASTER_PORT bash $(printf %q "$SCRIPT") --node" &',
+        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_RUN_ID=$RUN_ID MEMKIT_MASTER_ADDR=$(printf %q "$MASTER_ADDR") '
+        'MEMKIT_MASTER_PORT=$(printf %q "$MASTER_PORT") bash $(printf %q "$SCRIPT") --node" &',
         '  pids+=($!)',
         "done",
         "status=0",
