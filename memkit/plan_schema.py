@@ -268,3 +268,143 @@ def check_legacy_document(doc: dict, *, where: str):
         return TrainingPlan.from_dict(doc["plan"]).validate()
     except MemkitError as exc:
         raise MemkitError(f"{where}: {exc}") from None
+
+
+# ---- ds_config.json and accelerate.yaml ----------------------------------------------------------
+
+DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""Top-level counts DeepSpeedConfig reads without a model (deepspeed/runtime/config.py,
+DeepSpeedConfig._initialize_params via get_scalar_param): each a positive integer or "auto"."""
+
+
+def _deepspeed_models() -> dict:
+    """The blocks of a ds_config.json that DeepSpeed checks with its own pydantic models:
+    deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig, via get_zero_config) and
+    deepspeed/runtime/precision_config.py (DeepSpeedBF16Config / DeepSpeedFP16Config)."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs its accelerator choice on import
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "bfloat16": DeepSpeedBF16Config,
+            "fp16": DeepSpeedFP16Config}
+
+
+def _strict_json_type(model, block: dict, *, where: str, prefix: str) -> None:
+    """DeepSpeed's models coerce ("2" -> stage 2, "yes" -> True); a hand-edited file gets JSON's
+    own types: an int field takes an integer (or an integral number, as DeepSpeed's own 5e7
+    defaults are written), a bool field true/false. Nested models are checked the same way."""
+    import enum
+    import typing
+
+    from pydantic import BaseModel
+
+    for key, value in block.items():
+        info = model.model_fields.get(key)
+        if info is None or value is None or (isinstance(value, str) and value == "auto"):
+            continue
+        kinds = [info.annotation, *typing.get_args(info.annotation)]
+        name = f"{prefix}{key}"
+        if bool in kinds and not isinstance(value, bool):
+            raise MemkitError(f"{where}: {name} is {_short(value)}, not true/false; {FIX}")
+        intlike = [k for k in kinds if isinstance(k, type) and k is not bool and
+                   (issubclass(k, int) or issubclass(k, enum.IntEnum) or (issubclass(k, enum.Enum) and issubclass(k, int)))]
+        if intlike and bool not in kinds and float not in kinds and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and float(value).is_integer()):
+            raise MemkitError(f"{where}: {name} is {_short(value)}, not an integer; {FIX}")
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested and isinstance(value, dict):
+            _strict_json_type(nested[0], value, where=where, prefix=f"{name}.")
+
+
+def check_deepspeed_config(ds, *, where: str) -> None:
+    """A ds_config.json as DeepSpeed will read it: its batch counts, clipping and optimizer block,
+    and the blocks DeepSpeed has models for, validated by those models (one line for the first
+    error, naming the field)."""
+    import pydantic
+
+    if not isinstance(ds, dict):
+        raise MemkitError(f"{where} holds a JSON {type(ds).__name__}, not a DeepSpeed config object; {FIX}")
+    for key in DEEPSPEED_BATCH_KEYS:
+        if key in ds and ds[key] != "auto":
+            _check(ds[key], Field("int", 1, MAX_GPUS * 2**20 * 65_536), where=where, name=key)
+    if "gradient_clipping" in ds and ds["gradient_clipping"] != "auto":
+        _check(ds["gradient_clipping"], Field("float", 0.0, 1e6), where=where, name="gradient_clipping")
+    optimizer = ds.get("optimizer")
+    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str)
+                                      and isinstance(optimizer.get("params", {}), dict)):
+        raise MemkitError(f"{where}: optimizer is {_short(optimizer)}, not an object with a 'type' name and "
+                          f"'params'; {FIX}")
+    for key, model in _deepspeed_models().items():
+        if key not in ds:
+            continue
+        block = ds[key]
+        if not isinstance(block, dict):
+            raise MemkitError(f"{where}: {key} is {_short(block)}, not an object; {FIX}")
+        _strict_json_type(model, block, where=where, prefix=f"{key}.")
+        try:
+            model(**block)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise MemkitError(f"{where}: {key}.{loc} is {_short(first.get('input'))}: {first['msg']} "
+                              f"(DeepSpeed's {model.__name__}); {FIX}") from None
+        except (ValueError, TypeError, AssertionError) as exc:  # a model validator's own check
+            raise MemkitError(f"{where}: {key}: {str(exc).splitlines()[0]} (DeepSpeed's {model.__name__}); "
+                              f"{FIX}") from None
+
+
+ACCELERATE_FIELDS: dict[str, Field] = {
+    "num_processes": Field("int", 1, MAX_GPUS, required=False), "num_machines": Field("int", 1, 100_000, False),
+    "machine_rank": Field("int", 0, 100_000, False), "main_process_port": Field("int", 1, 65_535, False),
+    "distributed_type": Field("str", required=False), "mixed_precision": Field("str", required=False),
+    "deepspeed_config": Field("object", required=False), "use_cpu": Field("bool", required=False),
+}
+"""The accelerate.yaml keys memkit and `accelerate launch` read (accelerate/commands/config/
+config_args.py, ClusterConfig); ports as --port takes them (RFC 6335 Sec. 6)."""
+
+
+WRITTEN_ACCELERATE_KEYS = ("compute_environment", "distributed_type", "deepspeed_config", "num_processes",
+                           "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
+                           "same_network", "main_training_function", "use_cpu", "debug", "downcast_bf16",
+                           "mixed_precision")
+"""Keys memkit's accelerate.yaml has (memkit.emit.accelerate); others are looked up in
+Accelerate's ClusterConfig, whose import costs torch's."""
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP")
+"""accelerate.utils.DistributedType values memkit launches; others are looked up in the enum."""
+
+
+def check_accelerate_config(acc: dict, *, where: str) -> None:
+    """An accelerate.yaml: known keys only (Accelerate's ClusterConfig fields,
+    accelerate/commands/config/config_args.py), the counts and names above typed and in range,
+    distributed_type one of Accelerate's DistributedType (accelerate/utils/dataclasses.py), the
+    rendezvous host a host name (memkit.validate.check_host)."""
+    others = sorted(set(acc) - set(WRITTEN_ACCELERATE_KEYS))
+    if others:
+        import dataclasses
+
+        from accelerate.commands.config.config_args import ClusterConfig
+
+        unknown = [k for k in others if k not in {f.name for f in dataclasses.fields(ClusterConfig)}]
+        if unknown:
+            raise MemkitError(f"{where}: unknown keys {unknown} (not accelerate config fields); {FIX}")
+    _check_block(acc, ACCELERATE_FIELDS, where=where, prefix="")
+    kind = acc.get("distributed_type")
+    if kind is not None and kind not in DISTRIBUTED_TYPES:
+        from accelerate.utils import DistributedType
+
+        kinds = {d.value for d in DistributedType}
+    if kind is not None and kind not in DISTRIBUTED_TYPES and kind not in kinds:
+        raise MemkitError(f"{where}: distributed_type {acc['distributed_type']!r} is not one of Accelerate's "
+                          f"({', '.join(sorted(kinds))}); {FIX}")
+    if acc.get("main_process_ip") is not None:
+        from memkit.validate import check_host
+
+        check_host(str(acc["main_process_ip"]), what=f"{where}: main_process_ip")
+    deepspeed = acc.get("deepspeed_config") or {}
+    name = deepspeed.get("deepspeed_config_file")
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise MemkitError(f"{where}: deepspeed_config.deepspeed_config_file is {_short(name)}, not a path; {FIX}")

@@ -323,10 +323,38 @@ def check_run(args: argparse.Namespace) -> None:
     if getattr(args, "plan", None):
         plan, _ = read_plan_file(args.plan)
         check_flags(plan, flags)
+        check_launch_files(plan, plan_path=args.plan, config_file=getattr(args, "config_file", None))
     else:
         TrainingPlan(**{k: v for k, v in flags.items() if v is not None}).validate()
     if getattr(args, "model", None) is not None:
         check_model(args.model)
+
+
+def check_launch_files(plan, *, plan_path: str | None, config_file: str | None):
+    """The accelerate.yaml (--config-file, else beside plan.json) and the ds_config.json it names,
+    checked against their schemas (memkit.plan_schema) and against the plan, as the ranks would
+    (memkit.train.config.resolve_plan), before anything starts. Returns (config path, accelerate
+    dict, DeepSpeed path, DeepSpeed dict); Nones where there is no such file."""
+    from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
+    from memkit.fileio import read_json_object
+    from memkit.plan_schema import check_accelerate_config, check_deepspeed_config
+    from memkit.train.config import resolve_plan
+
+    path = accelerate_config_for(plan_path, config_file)
+    if path is None:
+        return None, None, None, None
+    acc = read_accelerate_config(path)
+    check_accelerate_config(acc, where=f"accelerate config {path}")
+    ds_path = deepspeed_file(acc, path)
+    ds = None
+    if ds_path is not None:
+        ds = read_json_object(ds_path, what="DeepSpeed config", fix="write the bundle again with memkit suggest --out",
+                              noun="DeepSpeed config object")
+        check_deepspeed_config(ds, where=f"DeepSpeed config {ds_path}")
+    if plan is not None:
+        resolve_plan(plan=plan, flags={}, ds_config=ds, world_size=plan.num_gpus,
+                     distributed_type=str(acc.get("distributed_type", "NO")), config_file_hint=str(ds_path))
+    return path, acc, ds_path, ds
 
 
 def check_model(name: str) -> None:

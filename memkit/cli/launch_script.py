@@ -27,7 +27,6 @@ import stat
 import sys
 from pathlib import Path
 
-from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
 from memkit.errors import MemkitError
 
 HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
@@ -61,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from memkit.cli.launching import finetune_entry
     from memkit.train.config import read_plan_file
 
+    from memkit.validate import check_launch_files
+
     plan, doc = read_plan_file(args.plan)
-    config_file = accelerate_config_for(args.plan, args.config_file)
+    config_file, acc, ds_path, _ = check_launch_files(plan, plan_path=args.plan, config_file=args.config_file)
     if config_file is None:
         raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file")
-    acc = read_accelerate_config(config_file)
     hardware = doc.get("hardware") or {}
     num_machines = args.num_machines or hardware.get("num_nodes") or int(acc.get("num_machines", 1))
     per_node = args.gpus_per_node or hardware.get("num_gpus_per_node") or \
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemkitError(f"--cpus-per-node {args.cpus_per_node}: give it with --slurm, at least one CPU per "
                           f"process ({per_node})")
     entry = finetune_entry()
-    ds_path = deepspeed_file(acc, Path(config_file))  # absolute: every node launches from its own cwd
+    # ds_path is absolute (memkit.cli.launching.deepspeed_file): every node launches from its own cwd
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
                 port=args.port, python=args.python, entry=entry, finetune_args=finetune_args,
                 ds_config=str(ds_path) if ds_path is not None else None)
