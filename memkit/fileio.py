@@ -39,9 +39,25 @@ def check_file(path, *, what: str = "", fix: str = "") -> Path:
             raise MemkitError(f"{_label(what, path)}: no such file{hint}")
         if p.is_dir():
             raise MemkitError(f"{_label(what, path)} is a folder, not a file{hint}")
+        kind = special_kind(p)
+        if kind:  # opening a FIFO blocks until a writer comes; a device never ends
+            raise MemkitError(f"{_label(what, path)} is a {kind}, not a regular file{hint}")
     except OSError as exc:  # e.g. a path component that is not a folder, a name too long
         raise _os_error(what, path, exc) from None
     return p
+
+
+def special_kind(path) -> str:
+    """'' for a regular file (or a link to one); else what it is: a FIFO, a device or a socket
+    (stat(2) file types, Python's stat module)."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return ""
 
 
 def _looks_utf16(head: bytes) -> bool:
