@@ -167,3 +167,27 @@ def temp_beside(path) -> Path:
     from it): write there, then os.replace onto `path`, so a failure never leaves half a file."""
     p = Path(path)
     return p.with_name(f".{p.stem}.memkit-tmp-{os.getpid()}{p.suffix}")
+
+
+def write_text_atomic(path, text: str, *, what: str) -> Path:
+    """Write `text` to `path` whole or not at all: into a hidden temporary file beside it
+    (temp_beside), flushed and fsynced, then os.replace (atomic; POSIX.1-2017 rename). A full or
+    read-only disk, a quota or a file-size limit is one MemkitError line (exit 2), the temporary
+    file is removed and `path` keeps what it had."""
+    p = Path(path)
+    tmp = temp_beside(p)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, p)
+    except OSError as exc:
+        raise MemkitError(f"could not write {what} {p}: {(exc.strerror or str(exc)).lower()}; free space or pick "
+                          "a writable path") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return p

@@ -408,3 +408,43 @@ def check_accelerate_config(acc: dict, *, where: str) -> None:
     name = deepspeed.get("deepspeed_config_file")
     if name is not None and not (isinstance(name, str) and name.strip()):
         raise MemkitError(f"{where}: deepspeed_config.deepspeed_config_file is {_short(name)}, not a path; {FIX}")
+
+
+# ---- the calibration profile ------------------------------------------------------------------
+
+PROFILE_RUN: dict[str, Field] = {"plan_kind": Field("str"), "predicted": Field("object"), "measured": Field("object"),
+                                 "plan": Field("object", required=False),
+                                 "predicted_components": Field("object", required=False),
+                                 "measured_components": Field("object", required=False)}
+"""One run of memkit/profile.py's record_run, as margins() reads it back."""
+
+
+def check_profile(doc, *, where: str, version: int) -> None:
+    """A calibration profile (memkit/profile.py): its format version, and each machine's runs with
+    the figures margins() divides (positive byte counts)."""
+    fix = "fix it or run `memkit calibrate --reset`"
+    if not isinstance(doc, dict) or not isinstance(doc.get("machines"), dict):
+        raise MemkitError(f"{where} has no 'machines' table; run `memkit calibrate --reset`")
+    found = doc.get("format_version", version)
+    if not isinstance(found, int) or isinstance(found, bool) or not 1 <= found <= version:
+        raise MemkitError(f"{where}: format_version {_short(found)} is not one this memkit reads ({version}); {fix}")
+    for key, machine in doc["machines"].items():
+        runs = machine.get("runs") if isinstance(machine, dict) else None
+        if not isinstance(runs, list):
+            raise MemkitError(f"{where}: machines[{key!r}] has no 'runs' list; {fix}")
+        for i, run in enumerate(runs):
+            name = f"machines[{key!r}].runs[{i}]"
+            if not isinstance(run, dict):
+                raise MemkitError(f"{where}: {name} is not an object; {fix}")
+            for field, spec in PROFILE_RUN.items():
+                if field not in run:
+                    if spec.required:
+                        raise MemkitError(f"{where}: {name}.{field} is missing; {fix}")
+                    continue
+                if spec.error(run[field]):
+                    raise MemkitError(f"{where}: {name}.{field} is {_short(run[field])}, {spec.error(run[field])}; {fix}")
+            for part in ("predicted", "measured"):
+                for figure, value in run[part].items():
+                    if Field("float", 1e-300, float(MAX_BYTES)).error(value):
+                        raise MemkitError(f"{where}: {name}.{part}.{figure} is {_short(value)}, not a positive byte "
+                                          f"count; {fix}")
