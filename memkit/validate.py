@@ -22,9 +22,11 @@ from pathlib import Path
 from memkit.errors import MemkitError
 from memkit.plan import MAX_MICRO_BATCH  # one bound for the flag and the planner's search
 
-MAX_GLOBAL_BATCH = 10**12
-"""Sequences per optimizer step: 10^12 is ~10^8 x the largest published LLM batches (GPT-3:
-3.2M tokens = 1,563 sequences; Brown et al. 2020, Table 2.1); beyond it is a typo."""
+MAX_GLOBAL_BATCH = 2**20
+"""Sequences per optimizer step: 2^20 is 16 x the largest published batch (LAMB's 65,536 sequences
+for BERT; You et al. 2020, "Large Batch Optimization for Deep Learning", Sec. 4) and 670 x
+GPT-3's 1,563 (Brown et al. 2020, Table 2.1); beyond it is a typo. (It was 10^12, which the
+planner could not answer in minutes.)"""
 MAX_SEQ_LEN = 2**24
 """16M tokens: longer than any released model's context window."""
 MAX_SYNTHETIC_TOKENS = 2**28
