@@ -15,6 +15,7 @@ memkit that wrote it and the one reading it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 
 from memkit.errors import MemkitError
@@ -25,7 +26,7 @@ MAX_BUFFER_ELEMENTS = 10**12
 (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig: Field(..., ge=0)); 10^12 fp32 elements
 is 4 TB, beyond any device, so larger is a typo."""
 MAX_GPUS = 1024 * 100_000
-"""dp x tp x pp at most: --num-gpus (1024 per node) x --num-nodes (100,000), memkit.validate.LIMITS."""
+"""dp x tp x pp at most: --num-gpus (1024 per node) x --num-nodes (100,000), memkit.limits.LIMITS."""
 MAX_BYTES = 2**60
 """Any byte count in a plan (1 EiB: beyond any node)."""
 
@@ -65,8 +66,8 @@ class Field:
 
 
 def _limit(dest: str, kind: str = "int") -> Field:
-    """A plan field with the range of its command-line flag (one table: memkit.validate.LIMITS)."""
-    from memkit.validate import LIMITS
+    """A plan field with the range of its command-line flag (one table: memkit.limits.LIMITS)."""
+    from memkit.limits import LIMITS
 
     lo, hi, _ = LIMITS[dest]
     return Field(kind, lo, hi)
@@ -270,6 +271,29 @@ def check_legacy_document(doc: dict, *, where: str):
         raise MemkitError(f"{where}: {exc}") from None
 
 
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(name: str, *, what: str) -> str:
+    """A host name as launch scripts and accelerate.yaml paste it: an IPv4/IPv6 literal
+    (ipaddress), or an RFC 1123 name (Sec. 2.1; labels of letters, digits and inner hyphens, 1-63
+    characters each, 253 in all; RFC 1035 Sec. 2.3.4). Nothing else reaches a shell line."""
+    import ipaddress
+
+    text = name.strip("[]") if name.startswith("[") else name
+    try:  # hex digits, ':' and '.' only: ipaddress also takes an IPv6 scope ("fe80::1%anything")
+        if re.fullmatch(r"[0-9A-Fa-f:.]+", text):
+            ipaddress.ip_address(text)
+            return name
+    except ValueError:
+        pass
+    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
+    if not name or len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise MemkitError(f"{what} {name!r} is not a host name or IP address; use letters, digits, '-' and '.' "
+                          "(RFC 1123), e.g. node-01 or 10.0.0.1")
+    return name
+
+
 # ---- ds_config.json and accelerate.yaml ----------------------------------------------------------
 
 DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -381,7 +405,7 @@ def check_accelerate_config(acc: dict, *, where: str) -> None:
     """An accelerate.yaml: known keys only (Accelerate's ClusterConfig fields,
     accelerate/commands/config/config_args.py), the counts and names above typed and in range,
     distributed_type one of Accelerate's DistributedType (accelerate/utils/dataclasses.py), the
-    rendezvous host a host name (memkit.validate.check_host)."""
+    rendezvous host a host name (check_host)."""
     others = sorted(set(acc) - set(WRITTEN_ACCELERATE_KEYS))
     if others:
         import dataclasses
@@ -401,8 +425,6 @@ def check_accelerate_config(acc: dict, *, where: str) -> None:
         raise MemkitError(f"{where}: distributed_type {acc['distributed_type']!r} is not one of Accelerate's "
                           f"({', '.join(sorted(kinds))}); {FIX}")
     if acc.get("main_process_ip") is not None:
-        from memkit.validate import check_host
-
         check_host(str(acc["main_process_ip"]), what=f"{where}: main_process_ip")
     deepspeed = acc.get("deepspeed_config") or {}
     name = deepspeed.get("deepspeed_config_file")

@@ -20,54 +20,9 @@ import tempfile
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import MAX_MICRO_BATCH  # one bound for the flag and the planner's search
 
-MAX_GLOBAL_BATCH = 2**20
-"""Sequences per optimizer step: 2^20 is 16 x the largest published batch (LAMB's 65,536 sequences
-for BERT; You et al. 2020, "Large Batch Optimization for Deep Learning", Sec. 4) and 670 x
-GPT-3's 1,563 (Brown et al. 2020, Table 2.1); beyond it is a typo. (It was 10^12, which the
-planner could not answer in minutes.)"""
-MAX_SEQ_LEN = 2**24
-"""16M tokens: longer than any released model's context window."""
-MAX_SYNTHETIC_TOKENS = 2**28
-"""synthetic:N materialises N x seq_len int64 ids, labels and mask (24 bytes/token): 6 GiB."""
-
-# flag dest -> (lowest, highest, what it is). Each limit stated once; `check_args` applies it to
-# whichever command has the flag.
-LIMITS: dict[str, tuple[float, float, str]] = {
-    "micro_batch_size": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-    "max_micro_batch": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-    "grad_accum": (1, 2**20, "micro-batches per optimizer step"),
-    "global_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
-    "ref_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
-    "seq_len": (1, MAX_SEQ_LEN, "tokens per sequence"),
-    "num_gpus": (1, 1024, "GPUs per node"),
-    "gpus_per_node": (1, 1024, "processes per node"),
-    "num_nodes": (1, 100_000, "nodes"),
-    "num_machines": (1, 100_000, "nodes"),
-    "tp": (1, 1024, "tensor-parallel degree"),
-    "pp": (1, 1024, "pipeline-parallel degree"),
-    "lora_rank": (0, 65_536, "LoRA rank (0 = full fine-tuning)"),
-    "lora_alpha": (1, 2**20, "LoRA alpha"),
-    "lora_dropout": (0.0, 0.99, "dropout probability"),
-    "num_alternatives": (0, 100, "alternatives to list"),
-    "port": (1, 65_535, "TCP port"),  # RFC 6335 Sec. 6: ports are 16-bit, 0 is reserved
-    "lr": (1e-12, 100.0, "learning rate"),
-    "weight_decay": (0.0, 10.0, "weight decay"),
-    "min_lr_ratio": (0.0, 1.0, "fraction of the peak LR"),
-    "gradient_clipping": (0.0, 1e6, "max gradient norm (0 = off)"),
-    "steps": (1, 10**7, "optimizer steps"),
-    "max_steps": (1, 10**9, "optimizer steps"),
-    "warmup_steps": (0, 10**9, "optimizer steps"),
-    "save_every": (0, 10**9, "optimizer steps (0 = only on a signal)"),
-    "keep_checkpoints": (1, 10_000, "checkpoints kept"),
-    "seed": (0, 2**32 - 1, "random seed"),  # numpy/torch generators take 32-bit seeds portably
-    "timeout_s": (1, 10**7, "seconds"),
-    "dist_timeout_s": (1, 10**7, "seconds"),
-    "num_epochs": (1e-6, 10_000.0, "passes over the data"),  # a sanity cap: beyond it is a typo (1e30)
-    "eval_every": (0, 10**9, "optimizer steps (0 = at the end)"),
-    "cpus_per_node": (0, 8192, "CPUs per node"),  # Linux's largest NR_CPUS (arch/x86/Kconfig, MAXSMP); 0: launch_script says at least 1 per process
-}
+from memkit.limits import LIMITS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_SYNTHETIC_TOKENS  # noqa: F401 (one table)
+from memkit.plan_schema import check_host  # noqa: F401 (one host-name rule; launch_script uses it too)
 _SIZE_LIMITS = {"gpu_memory": (2**20, 2**44, "--gpu-memory", "1MiB and 16TiB"),  # bytes
                 "host_ram": (2**20, 2**54, "--host-ram", "1MiB and 16PiB")}
 _INT_RE = re.compile(r"[+-]?[0-9]{1,40}")
@@ -190,28 +145,6 @@ def check_args(args: argparse.Namespace) -> None:
         check_resume_path(args.resume)
     if command == "verify" and getattr(args, "model", None) is not None:
         check_model(args.model)
-
-
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
-
-
-def check_host(name: str, *, what: str) -> str:
-    """A host name as launch scripts and accelerate.yaml paste it: an IPv4/IPv6 literal
-    (ipaddress), or an RFC 1123 name (Sec. 2.1; labels of letters, digits and inner hyphens, 1-63
-    characters each, 253 in all; RFC 1035 Sec. 2.3.4). Nothing else reaches a shell line."""
-    import ipaddress
-
-    text = name.strip("[]") if name.startswith("[") else name
-    try:
-        ipaddress.ip_address(text)
-        return name
-    except ValueError:
-        pass
-    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
-    if not name or len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        raise MemkitError(f"{what} {name!r} is not a host name or IP address; use letters, digits, '-' and '.' "
-                          "(RFC 1123), e.g. node-01 or 10.0.0.1")
-    return name
 
 
 def _existing_ancestor(path: Path) -> Path:

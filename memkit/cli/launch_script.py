@@ -125,7 +125,7 @@ def read_hostfile(path: str) -> tuple[list[str], int | None]:
         if not line:
             continue
         parts = line.split()
-        from memkit.validate import check_host
+        from memkit.plan_schema import check_host
 
         hosts.append(check_host(parts[0], what=f"--hostfile {path}: line {line_no}: host"))
         for part in parts[1:]:
