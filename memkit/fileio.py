@@ -39,9 +39,25 @@ def check_file(path, *, what: str = "", fix: str = "") -> Path:
             raise MemkitError(f"{_label(what, path)}: no such file{hint}")
         if p.is_dir():
             raise MemkitError(f"{_label(what, path)} is a folder, not a file{hint}")
+        kind = special_kind(p)
+        if kind:  # opening a FIFO blocks until a writer comes; a device never ends
+            raise MemkitError(f"{_label(what, path)} is a {kind}, not a regular file{hint}")
     except OSError as exc:  # e.g. a path component that is not a folder, a name too long
         raise _os_error(what, path, exc) from None
     return p
+
+
+def special_kind(path) -> str:
+    """'' for a regular file (or a link to one); else what it is: a FIFO, a device or a socket
+    (stat(2) file types, Python's stat module)."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return ""
 
 
 def _looks_utf16(head: bytes) -> bool:
@@ -151,3 +167,27 @@ def temp_beside(path) -> Path:
     from it): write there, then os.replace onto `path`, so a failure never leaves half a file."""
     p = Path(path)
     return p.with_name(f".{p.stem}.memkit-tmp-{os.getpid()}{p.suffix}")
+
+
+def write_text_atomic(path, text: str, *, what: str) -> Path:
+    """Write `text` to `path` whole or not at all: into a hidden temporary file beside it
+    (temp_beside), flushed and fsynced, then os.replace (atomic; POSIX.1-2017 rename). A full or
+    read-only disk, a quota or a file-size limit is one MemkitError line (exit 2), the temporary
+    file is removed and `path` keeps what it had."""
+    p = Path(path)
+    tmp = temp_beside(p)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, p)
+    except OSError as exc:
+        raise MemkitError(f"could not write {what} {p}: {(exc.strerror or str(exc)).lower()}; free space or pick "
+                          "a writable path") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return p

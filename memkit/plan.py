@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from memkit.errors import MemkitError
 from memkit.parallel import split_knob_error
 from memkit.backward_techniques import activation_offload_error, optimizer_in_backward_error
-from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error  # noqa: F401
+from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error, partial_blocks_error  # noqa: F401
 from memkit.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
@@ -121,8 +121,10 @@ class TrainingPlan:
     def is_mixed(self) -> bool:
         return self.precision in ("fp16", "bf16")
 
-    def validate(self) -> "TrainingPlan":
-        """Raise MemkitError for any knob out of range or contradictory; return self."""
+    def validate(self, *, num_gpus: int | None = None, num_blocks: int | None = None) -> "TrainingPlan":
+        """Raise MemkitError for any knob out of range or contradictory; return self. With the
+        hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
+        checkpointing K must be below it (memkit/techniques.py)."""
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("offload-optimizer", self.offload_optimizer, OFFLOADS)
@@ -176,6 +178,12 @@ class TrainingPlan:
         split_error = split_knob_error(self)  # memkit/parallel.py states the split rules
         if split_error:
             raise MemkitError(split_error)
+        if num_gpus is not None and self.num_gpus != num_gpus:
+            raise MemkitError(f"dp {self.dp} x tp {self.tp} x pp {self.pp} = {self.num_gpus} GPUs, but the "
+                              f"hardware has {num_gpus}; make dp x tp x pp equal the GPU count")
+        blocks_error = partial_blocks_error(self.checkpointing, num_blocks) if num_blocks else None
+        if blocks_error:
+            raise MemkitError(blocks_error)
         return self
 
     def with_(self, **changes) -> "TrainingPlan":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from memkit.errors import MemkitError
@@ -45,17 +44,22 @@ def load(path: Path | None = None) -> dict:
     except (OSError, ValueError) as exc:
         raise MemkitError(f"calibration profile {path} is not readable JSON ({exc}); "
                           f"fix it or run `memkit calibrate --reset`") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("machines"), dict):
-        raise MemkitError(f"calibration profile {path} has no 'machines' table; run `memkit calibrate --reset`")
+    from memkit.plan_schema import check_profile
+
+    check_profile(doc, where=f"calibration profile {path}", version=FORMAT_VERSION)
     return doc
 
 
 def _write(doc: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    """Whole or not at all; a failure is one line and leaves no temporary file (fileio.write_text_atomic)."""
+    from memkit.fileio import write_text_atomic
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MemkitError(f"could not write calibration profile {path}: cannot create {path.parent} "
+                          f"({exc.strerror}); pick a writable path") from None
+    write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True), what="calibration profile")
 
 
 def record_run(*, device: str, stack: Stack, plan: TrainingPlan, predicted: dict, measured: dict,

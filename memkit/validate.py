@@ -20,49 +20,9 @@ import tempfile
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import MAX_MICRO_BATCH  # one bound for the flag and the planner's search
 
-MAX_GLOBAL_BATCH = 10**12
-"""Sequences per optimizer step: 10^12 is ~10^8 x the largest published LLM batches (GPT-3:
-3.2M tokens = 1,563 sequences; Brown et al. 2020, Table 2.1); beyond it is a typo."""
-MAX_SEQ_LEN = 2**24
-"""16M tokens: longer than any released model's context window."""
-MAX_SYNTHETIC_TOKENS = 2**28
-"""synthetic:N materialises N x seq_len int64 ids, labels and mask (24 bytes/token): 6 GiB."""
-
-# flag dest -> (lowest, highest, what it is). Each limit stated once; `check_args` applies it to
-# whichever command has the flag.
-LIMITS: dict[str, tuple[float, float, str]] = {
-    "micro_batch_size": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-    "max_micro_batch": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-    "grad_accum": (1, 2**20, "micro-batches per optimizer step"),
-    "global_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
-    "ref_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
-    "seq_len": (1, MAX_SEQ_LEN, "tokens per sequence"),
-    "num_gpus": (1, 1024, "GPUs per node"),
-    "gpus_per_node": (1, 1024, "processes per node"),
-    "num_nodes": (1, 100_000, "nodes"),
-    "num_machines": (1, 100_000, "nodes"),
-    "tp": (1, 1024, "tensor-parallel degree"),
-    "pp": (1, 1024, "pipeline-parallel degree"),
-    "lora_rank": (0, 65_536, "LoRA rank (0 = full fine-tuning)"),
-    "lora_alpha": (1, 2**20, "LoRA alpha"),
-    "lora_dropout": (0.0, 0.99, "dropout probability"),
-    "num_alternatives": (0, 100, "alternatives to list"),
-    "port": (1, 65_535, "TCP port"),  # RFC 6335 Sec. 6: ports are 16-bit, 0 is reserved
-    "lr": (1e-12, 100.0, "learning rate"),
-    "weight_decay": (0.0, 10.0, "weight decay"),
-    "min_lr_ratio": (0.0, 1.0, "fraction of the peak LR"),
-    "gradient_clipping": (0.0, 1e6, "max gradient norm (0 = off)"),
-    "steps": (1, 10**7, "optimizer steps"),
-    "max_steps": (1, 10**9, "optimizer steps"),
-    "warmup_steps": (0, 10**9, "optimizer steps"),
-    "save_every": (0, 10**9, "optimizer steps (0 = only on a signal)"),
-    "keep_checkpoints": (1, 10_000, "checkpoints kept"),
-    "seed": (0, 2**32 - 1, "random seed"),  # numpy/torch generators take 32-bit seeds portably
-    "timeout_s": (1, 10**7, "seconds"),
-    "dist_timeout_s": (1, 10**7, "seconds"),
-}
+from memkit.limits import LIMITS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_SYNTHETIC_TOKENS  # noqa: F401 (one table)
+from memkit.plan_schema import check_host  # noqa: F401 (one host-name rule; launch_script uses it too)
 _SIZE_LIMITS = {"gpu_memory": (2**20, 2**44, "--gpu-memory", "1MiB and 16TiB"),  # bytes
                 "host_ram": (2**20, 2**54, "--host-ram", "1MiB and 16PiB")}
 _INT_RE = re.compile(r"[+-]?[0-9]{1,40}")
@@ -155,8 +115,18 @@ def check_args(args: argparse.Namespace) -> None:
     if targets is not None and not [t for t in targets.split(",") if t.strip()]:
         raise MemkitError(f"--lora-targets {targets!r} names no module; pass e.g. q_proj,v_proj "
                           "(or leave the flag out for the model's defaults)")
-    if command == "suggest" and getattr(args, "out", None):
+    steps = getattr(args, "max_steps", None)
+    every = getattr(args, "eval_every", None)
+    if isinstance(steps, int) and isinstance(every, int) and every > steps:
+        raise MemkitError(f"--eval-every {every} is beyond the run's --max-steps {steps}; pass at most {steps} "
+                          "(or 0 to evaluate at the end)")
+    if getattr(args, "main_process_ip", None) is not None:
+        check_host(args.main_process_ip, what="--main-process-ip")
+    if command in ("suggest", "preset") and getattr(args, "out", None):
+        from memkit.emit.bundle import check_target
+
         check_output_dir(args.out, what="--out")
+        check_target(args.out, force=getattr(args, "force", False))  # before the search: nothing of theirs replaced
     if command == "launch-script":
         check_output_file(args.out, what="--out")
     if getattr(args, "plot", None):
@@ -288,10 +258,38 @@ def check_run(args: argparse.Namespace) -> None:
     if getattr(args, "plan", None):
         plan, _ = read_plan_file(args.plan)
         check_flags(plan, flags)
+        check_launch_files(plan, plan_path=args.plan, config_file=getattr(args, "config_file", None))
     else:
         TrainingPlan(**{k: v for k, v in flags.items() if v is not None}).validate()
     if getattr(args, "model", None) is not None:
         check_model(args.model)
+
+
+def check_launch_files(plan, *, plan_path: str | None, config_file: str | None):
+    """The accelerate.yaml (--config-file, else beside plan.json) and the ds_config.json it names,
+    checked against their schemas (memkit.plan_schema) and against the plan, as the ranks would
+    (memkit.train.config.resolve_plan), before anything starts. Returns (config path, accelerate
+    dict, DeepSpeed path, DeepSpeed dict); Nones where there is no such file."""
+    from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
+    from memkit.fileio import read_json_object
+    from memkit.plan_schema import check_accelerate_config, check_deepspeed_config
+    from memkit.train.config import resolve_plan
+
+    path = accelerate_config_for(plan_path, config_file)
+    if path is None:
+        return None, None, None, None
+    acc = read_accelerate_config(path)
+    check_accelerate_config(acc, where=f"accelerate config {path}")
+    ds_path = deepspeed_file(acc, path)
+    ds = None
+    if ds_path is not None:
+        ds = read_json_object(ds_path, what="DeepSpeed config", fix="write the bundle again with memkit suggest --out",
+                              noun="DeepSpeed config object")
+        check_deepspeed_config(ds, where=f"DeepSpeed config {ds_path}")
+    if plan is not None:
+        resolve_plan(plan=plan, flags={}, ds_config=ds, world_size=plan.num_gpus,
+                     distributed_type=str(acc.get("distributed_type", "NO")), config_file_hint=str(ds_path))
+    return path, acc, ds_path, ds
 
 
 def check_model(name: str) -> None:

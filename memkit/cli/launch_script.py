@@ -27,7 +27,6 @@ import stat
 import sys
 from pathlib import Path
 
-from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
 from memkit.errors import MemkitError
 
 HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
@@ -61,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from memkit.cli.launching import finetune_entry
     from memkit.train.config import read_plan_file
 
+    from memkit.validate import check_launch_files
+
     plan, doc = read_plan_file(args.plan)
-    config_file = accelerate_config_for(args.plan, args.config_file)
+    config_file, acc, ds_path, _ = check_launch_files(plan, plan_path=args.plan, config_file=args.config_file)
     if config_file is None:
         raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file")
-    acc = read_accelerate_config(config_file)
     hardware = doc.get("hardware") or {}
     num_machines = args.num_machines or hardware.get("num_nodes") or int(acc.get("num_machines", 1))
     per_node = args.gpus_per_node or hardware.get("num_gpus_per_node") or \
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemkitError(f"--cpus-per-node {args.cpus_per_node}: give it with --slurm, at least one CPU per "
                           f"process ({per_node})")
     entry = finetune_entry()
-    ds_path = deepspeed_file(acc, Path(config_file))  # absolute: every node launches from its own cwd
+    # ds_path is absolute (memkit.cli.launching.deepspeed_file): every node launches from its own cwd
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
                 port=args.port, python=args.python, entry=entry, finetune_args=finetune_args,
                 ds_config=str(ds_path) if ds_path is not None else None)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    how = f"sbatch {out}" if args.slurm else f"bash {out}"
+    how = f"sbatch {shlex.quote(str(out))}" if args.slurm else f"bash {shlex.quote(str(out))}"
     split = f" (dp {plan.dp} x tp {plan.tp} x pp {plan.pp})" if plan.tp > 1 or plan.pp > 1 else ""
     print(f"wrote {out}: {num_machines} nodes x {per_node} processes{split}; start it with `{how}`")
     return 0
@@ -125,7 +125,9 @@ def read_hostfile(path: str) -> tuple[list[str], int | None]:
         if not line:
             continue
         parts = line.split()
-        hosts.append(parts[0])
+        from memkit.plan_schema import check_host
+
+        hosts.append(check_host(parts[0], what=f"--hostfile {path}: line {line_no}: host"))
         for part in parts[1:]:
             key, _, value = part.partition("=")
             if key == "slots":
@@ -203,7 +205,7 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         "# Ctrl-C / SIGTERM: every host's launcher gets the signal (its ranks checkpoint and stop).",
         "set -euo pipefail",
         "HOSTS=(" + " ".join(shlex.quote(h) for h in hosts) + ")",
-        f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',
+        f'MASTER_ADDR="${{MEMKIT_MASTER_ADDR:-{hosts[0]}}}"',  # a checked host name (read_hostfile)
         f'MASTER_PORT="${{MEMKIT_MASTER_PORT:-{port}}}"',
         'RUN_ID="${MEMKIT_RUN_ID:-$(date +%s)-$$}"',
         f"WORKDIR={shlex.quote(os.getcwd())}",
@@ -230,8 +232,8 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         "trap 'stop_all INT' INT",
         "trap 'stop_all TERM' TERM",
         'for i in "${!HOSTS[@]}"; do',
-        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_RUN_ID=$RUN_ID MEMKIT_MASTER_ADDR=$MASTER_ADDR '
-        'MEMKIT_MASTER_PORT=$MASTER_PORT bash $(printf %q "$SCRIPT") --node" &',
+        '  ssh -o BatchMode=yes "${HOSTS[$i]}" "MACHINE_RANK=$i MEMKIT_RUN_ID=$RUN_ID MEMKIT_MASTER_ADDR=$(printf %q "$MASTER_ADDR") '
+        'MEMKIT_MASTER_PORT=$(printf %q "$MASTER_PORT") bash $(printf %q "$SCRIPT") --node" &',
         '  pids+=($!)',
         "done",
         "status=0",

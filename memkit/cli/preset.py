@@ -21,6 +21,9 @@ HELP = "list the ready-made plans, or write one as a bundle with absolute paths 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="preset name (a folder of presets/plans/); none: list them")
     p.add_argument("--out", metavar="DIR", help="write accelerate.yaml, ds_config.json, plan.json, README.md here")
+    p.add_argument("--force", action="store_true",
+                   help="write --out into a non-empty folder that memkit did not write (its files of the same "
+                        "names are replaced)")
 
 
 def preset_names() -> list[str]:
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from memkit.emit.bundle import launch_command, write_bundle
 
     out_dir = os.path.abspath(os.path.expanduser(args.out))
-    written = write_bundle(args.out, preset_bundle(args.name, out_dir))
+    written = write_bundle(args.out, preset_bundle(args.name, out_dir), force=args.force)
     doc = plan_doc.read(folder / "plan.json").data
     print(f"preset {args.name}: {doc['label']}")
     print("\nRun it (--model: the weights to fine-tune; a smoke test on fresh weights: --init random "

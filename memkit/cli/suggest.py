@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--out", metavar="DIR", help="write accelerate.yaml, ds_config.json, plan.json, README.md")
+    out.add_argument("--force", action="store_true",
+                     help="write --out into a non-empty folder that memkit did not write (its files of the same "
+                          "names are replaced)")
     out.add_argument("--relative-paths", action="store_true",
                      help="write the bundle's paths as --out is typed (for bundles kept in a repository, such as "
                           "presets/); default: absolute paths, so the printed command runs from any directory")
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             files = bundle_files(doc, out_dir=out_dir, nvme_path=args.nvme_path or "/local_nvme",
                                  largest_param_numel=largest_param_numel(request.model),
                                  main_process_ip=args.main_process_ip)
-            written = [str(p) for p in write_bundle(args.out, files)]  # all or nothing
+            written = [str(p) for p in write_bundle(args.out, files, force=args.force)]  # all or nothing
     except BaseException:
         if plot_tmp is not None:
             plot_tmp.unlink(missing_ok=True)

@@ -14,9 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memkit.cli.launching import (accelerate_config_for, child_env, deepspeed_file, launch_command,
-                                  launchable_config, quote,
-                                  read_accelerate_config)
+from memkit.cli.launching import child_env, deepspeed_file, launch_command, launchable_config, quote
 from memkit.errors import MemkitError
 from memkit.units import format_bytes
 
@@ -42,11 +40,12 @@ def run(args: argparse.Namespace) -> int:
     plan, doc = read_plan_file(args.plan)
     if args.steps < 1:
         raise MemkitError(f"--steps {args.steps} must be >= 1")
-    config_file = accelerate_config_for(args.plan, args.config_file)
+    from memkit.validate import check_launch_files
+
+    config_file, acc, _, _ = check_launch_files(plan, plan_path=args.plan, config_file=args.config_file)
     if config_file is None:
         raise MemkitError(f"no accelerate config beside {args.plan}; pass --config-file (memkit suggest --out "
                           "writes accelerate.yaml next to plan.json)")
-    acc = read_accelerate_config(config_file)
     _check_devices(acc, config_file)
     _check_op_builds(plan, acc, config_file)
     out_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="memkit-verify-"))

@@ -9,6 +9,7 @@ multi-process launch and plan.json's "engines" says what runs each split.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from memkit.emit import plan_doc
@@ -58,9 +59,37 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
     return {name: files[name] for name in file_names(plan)}
 
 
-def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
+def is_bundle(folder: Path) -> bool:
+    """Whether `folder` holds a bundle memkit wrote: its marker is plan.json's format line (a JSON
+    object with "format_version", memkit.emit.plan_doc.plan_document)."""
+    from memkit.fileio import read_json_object
+
+    try:
+        return "format_version" in read_json_object(folder / "plan.json")
+    except MemkitError:
+        return False
+
+
+def check_target(out_dir: str, *, force: bool = False) -> None:
+    """--out may be new, empty, or a bundle memkit wrote (replaced atomically); a non-empty folder
+    without memkit's marker holds the user's files, and is refused unless --force."""
+    root = Path(out_dir)
+    if force or not root.is_dir():
+        return
+    try:
+        entries = [p.name for p in root.iterdir() if not p.name.startswith(".memkit-")]
+    except OSError:
+        return  # the write reports it (write_bundle)
+    if entries and not is_bundle(root):
+        raise MemkitError(f"--out {out_dir} is a non-empty folder that memkit did not write ({len(entries)} "
+                          f"entr{'y' if len(entries) == 1 else 'ies'}, no memkit plan.json); pick a new or empty folder, or pass --force to write "
+                          "the bundle files there")
+
+
+def write_bundle(out_dir: str, files: dict[str, str], *, force: bool = False) -> list[Path]:
     """Write `files` into `out_dir` all or nothing; bundle files the new plan lacks (a stale
     ds_config.json after a pipeline plan) are removed. Other files in the folder are left alone.
+    A non-empty folder memkit did not write is refused unless `force` (check_target).
 
     Each file is written and fsynced in a temporary folder inside `out_dir` first, and the old
     bundle files are hard-linked aside; only then is each moved into place with os.replace (atomic
@@ -71,6 +100,7 @@ def write_bundle(out_dir: str, files: dict[str, str]) -> list[Path]:
     import shutil
     import tempfile
 
+    check_target(out_dir, force=force)
     root = Path(out_dir)
     created = [p for p in [root, *root.parents] if not p.exists()]
     if root.exists() and not root.is_dir():
@@ -229,7 +259,7 @@ def readme(document: dict, *, out_dir: str) -> str:
             "Files: `accelerate.yaml` (processes and machines; it points at the DeepSpeed file and sets "
             "nothing else), `ds_config.json` (every DeepSpeed setting, explicit values), `plan.json` "
             "(the plan, memkit's estimate and the versions it was made with; `memkit explain "
-            f"{out_dir}/plan.json` prints it).",
+            f"{shlex.quote(out_dir + '/plan.json')}` prints it).",
             "",
         ]
         if plan["tp"] == 1:
@@ -242,7 +272,7 @@ def readme(document: dict, *, out_dir: str) -> str:
         lines += [
             "Files: `accelerate.yaml` (a plain multi-process launch: no DeepSpeed; launch/finetune.py "
             "splits the model into pipeline stages itself), `plan.json` (the plan, memkit's estimate, "
-            f"which engine runs each split; `memkit explain {out_dir}/plan.json` prints it).",
+            f"which engine runs each split; `memkit explain {shlex.quote(out_dir + '/plan.json')}` prints it).",
             "",
         ]
         if plan.get("quantize_base", "none") != "none":  # a 4-bit base runs on plain PyTorch (memkit/quantize.py)
@@ -275,7 +305,7 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         "and the 16-bit mode; Trainer checks the batch, clipping, optimizer and precision flags against it):",
         "",
         "```",
-        " ".join(recipe.flags(deepspeed_path=f"{out_dir}/ds_config.json")),
+        " ".join(recipe.flags(deepspeed_path=shlex.quote(f"{out_dir}/ds_config.json"))),
         "```",
         "",
         "and build the model the plan was priced with (after TrainingArguments, so that ZeRO-3 partitions it "

@@ -191,30 +191,26 @@ class PlanDocument:
 
 def check(doc, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocument:
     """A PlanDocument from plan.json's parsed JSON; MemkitError (one line) when it is not one.
-    A document `memkit suggest` wrote (it has format_version) is checked field by field
-    (memkit.plan_schema); a hand-written one gets its plan and hardware checked."""
-    from memkit.plan_schema import check_plan_document, check_plan_fields
+    Every field is checked against memkit.plan_schema: a document `memkit suggest` wrote (it has
+    format_version) in full, a version-0 one (hand-written; no format_version) after its
+    migration, its plan and hardware."""
+    from memkit import plan_schema
 
     if not isinstance(doc, dict):
         raise MemkitError(f"{where} holds a JSON {type(doc).__name__}: not a memkit plan.json")
+    version = plan_schema.check_format(doc, where=where)
+    if version == 0:
+        doc = plan_schema.migrate(doc)
     missing = [k for k in require if k not in doc]
     if missing:
         raise MemkitError(f"{where} lacks {', '.join(missing)}: not a memkit plan.json; pass the plan.json "
                           "that memkit suggest wrote")
     if not isinstance(doc.get("plan"), dict):
         raise MemkitError(f"{where} has no 'plan' object; pass the plan.json that memkit suggest wrote")
-    if "format_version" in doc:
-        check_plan_document(doc, where=where)
+    if version:
+        plan_schema.check_plan_document(doc, where=where, require=require)
     else:
-        check_plan_fields(doc["plan"], where=where)
-        TrainingPlan.from_dict(doc["plan"]).validate()
-        hw = doc.get("hardware", {})
-        if not isinstance(hw, dict):
-            raise MemkitError(f"{where}: 'hardware' is not an object; make the file again with memkit suggest --out")
-        for key in ("num_gpus_per_node", "num_nodes"):
-            value = hw.get(key, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MemkitError(f"{where}: hardware.{key} is {value!r}, not a positive integer")
+        plan_schema.check_legacy_document(doc, where=where)
     return PlanDocument(doc)
 
 

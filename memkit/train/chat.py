@@ -41,6 +41,19 @@ are Jinja string literals: transformers renders templates with trim_blocks, whic
 newline written after a block tag (transformers: utils/chat_template_utils.py)."""
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates render (transformers' chat templating docs: system, user, assistant,
+and tool for tool results); another name would be rendered or dropped as the template pleases."""
+
+
+def check_roles(messages: list[dict], *, where: str) -> None:
+    """Every turn's role is a chat role; one line naming the turn and the known roles."""
+    for i, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise MemkitError(f"{where}: messages[{i}] has role {message['role']!r}; use one of "
+                              f"{', '.join(CHAT_ROLES)}")
+
+
 def alpaca_prompt(record: dict) -> str:
     template = ALPACA_PROMPT if record["input"] else ALPACA_PROMPT_NO_INPUT
     return template.format(instruction=record["instruction"], input=record["input"])
@@ -59,6 +72,7 @@ def chat_example(tokenizer, messages: list[dict], *, where: str) -> tuple[list[i
         return tokenizer.apply_chat_template(turns, tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
+    check_roles(messages, where=where)
     full = render(messages)
     spans = []
     for i, message in enumerate(messages):

@@ -670,8 +670,10 @@ def _finish(st: _Run) -> dict:
                   f"({st.data.eval.num_sequences} sequences of {st.data.eval.source})", file=sys.stderr)
         if final_dir is not None and plan.is_lora:
             print(f"LoRA adapter saved to {out_dir / 'adapter'} (PeftModel.from_pretrained)", file=sys.stderr)
-        if run.report_json is not None:
-            Path(run.report_json).write_text(json.dumps(report, indent=1, sort_keys=True))
+        if run.report_json is not None:  # a full disk is one line and a non-zero exit (memkit.fileio)
+            from memkit.fileio import write_text_atomic
+
+            write_text_atomic(run.report_json, json.dumps(report, indent=1, sort_keys=True), what="--report-json")
     # Free DeepSpeed/DDP state before the process group goes (gloo can hang at exit otherwise).
     st.model = st.optimizer = st.engine = st.pipe = None
     accelerator.free_memory()

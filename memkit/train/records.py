@@ -41,6 +41,9 @@ def read_records(source: str, *, flag: str = "--data") -> tuple[str, list[dict]]
                           f"a datasets folder (save_to_disk) or '{SYNTHETIC}'")
     if path.is_dir():
         return _checked(_read_datasets_folder(path, what), what)
+    from memkit.fileio import check_file
+
+    check_file(path, what=what)  # a FIFO or device is refused before it is opened (it would block)
     if path.stat().st_size == 0:
         raise MemkitError(f"{what} is empty; it needs at least one record")
     suffix = path.suffix.lower()
@@ -51,7 +54,7 @@ def read_records(source: str, *, flag: str = "--data") -> tuple[str, list[dict]]
     if suffix in (".csv", ".parquet"):
         return _checked(_read_with_datasets(path, suffix[1:], what), what)
     if suffix in (".txt", ".text", ".md"):
-        text = path.read_text(encoding="utf-8", errors="strict")
+        text = path.read_text(encoding="utf-8-sig", errors="strict")  # -sig: a BOM (Windows editors) dropped
         docs = [doc.strip("\n") for doc in text.split("\n\n")]
         docs = [doc for doc in docs if doc.strip()]
         if not docs:
@@ -79,7 +82,7 @@ def _checked(rows: list[tuple[str, object]], what: str) -> tuple[str, list[dict]
 
 def _read_json_lines(path: Path, what: str) -> list[tuple[str, object]]:
     rows = []
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8-sig") as handle:  # -sig: a BOM dropped; CRLF read as newlines
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -93,7 +96,7 @@ def _read_json_lines(path: Path, what: str) -> list[tuple[str, object]]:
 
 def _read_json(path: Path, what: str) -> list[tuple[str, object]]:
     """A JSON array of records (the alpaca_data.json layout), else JSON lines."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
@@ -111,7 +114,16 @@ def _datasets(what: str):
     except ImportError:
         raise MemkitError(f"{what} needs the `datasets` package; pip install datasets") from None
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # its errors come as ours, one line
     return datasets
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of the innermost cause (datasets wraps pandas/pyarrow errors)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _read_with_datasets(path: Path, builder: str, what: str) -> list[tuple[str, object]]:
@@ -119,8 +131,7 @@ def _read_with_datasets(path: Path, builder: str, what: str) -> list[tuple[str, 
     try:
         data = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # pyarrow / csv parser errors: report them as bad input
-        raise MemkitError(f"{what}: cannot read it as {builder} ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise MemkitError(f"{what}: cannot read it as {builder} ({_reason(exc)})") from None
     return [(f"row {i}", row) for i, row in enumerate(data.to_list())]
 
 
@@ -134,7 +145,11 @@ def _read_datasets_folder(path: Path, what: str) -> list[tuple[str, object]]:
         raise MemkitError(f"{what} is a folder but not a datasets folder (no "
                           f"{' / '.join(markers)}); write it with Dataset.save_to_disk or pass a file")
     datasets = _datasets(what)
-    data = datasets.load_from_disk(str(path))
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a damaged state.json / dataset_info.json / arrow file
+        raise MemkitError(f"{what}: cannot read it as a datasets folder ({_reason(exc)}); write it again with "
+                          "save_to_disk") from None
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
             raise MemkitError(f"{what} has splits {sorted(data)} but no 'train'; save the "

@@ -359,3 +359,229 @@ def test_text_checks_accept_real_utf8(tmp_path):
     path.write_bytes("plain ascii text\n".encode("utf-16-le"))
     with pytest.raises(MemkitError, match="UTF-16"):
         check_text_file(path, what="--data")
+
+
+# ---- mutations generated from the schemas (memkit/plan_schema.py) ---------------------------------
+
+def _wrong_values(spec) -> list[tuple[str, object]]:
+    """(kind, value) that the field `spec` must refuse: a wrong JSON type, out of range."""
+    wrong_type = {"int": "7", "float": "0.5", "str": 7, "bool": "yes", "names": "q_proj", "object": [1],
+                  "list": {"a": 1}}[spec.kind]
+    out = [("type", wrong_type)]
+    if spec.kind == "int":
+        out.append(("float", 2.5))
+    if spec.kind in ("int", "float"):
+        if spec.lo is not None:
+            out.append(("below", spec.lo - 1))
+        if spec.hi is not None:
+            out.append(("above", spec.hi * 10 + 1))
+    return out
+
+
+def _schema_cases() -> list[tuple[str, str, str, object]]:
+    """(id, section, field, value or MISSING) for every field of plan.json's schema."""
+    from memkit.plan_schema import SECTIONS, TOP, plan_fields
+
+    tables = {"": {k: v for k, v in TOP.items() if k not in SECTIONS and k != "plan"}, "plan": plan_fields(),
+              **SECTIONS}
+    cases = []
+    for section, specs in tables.items():
+        for name, spec in specs.items():
+            for kind, value in _wrong_values(spec):
+                cases.append((f"{section or 'top'}.{name}-{kind}", section, name, value))
+            if spec.required:
+                cases.append((f"{section or 'top'}.{name}-missing", section, name, MISSING))
+    return cases
+
+
+MISSING = object()
+SCHEMA_CASES = _schema_cases()
+
+
+def _mutated(doc: dict, section: str, name: str, value) -> dict:
+    d = json.loads(json.dumps(doc))
+    block = d[section] if section else d
+    if value is MISSING:
+        del block[name]
+    else:
+        block[name] = value
+    return d
+
+
+def _assert_refused(args, work: Path, capsys) -> str:
+    before = _snapshot(work)
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out[-2000:], err[-2000:])
+    assert err.count("\n") == 1 and err.startswith("memkit: error: "), err
+    assert "Traceback" not in err + out, err + out
+    assert _snapshot(work) == before, "a failed command changed files"
+    return err
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES, ids=[c[0] for c in SCHEMA_CASES])
+def test_plan_json_schema_mutation_is_refused(case, inputs, tmp_path, capsys, monkeypatch):
+    """Every plan.json field the schema knows, with a wrong type, out of range or (required) missing:
+    `explain` (and `launch-script` for plan knobs) refuse it in one line naming the field."""
+    _, section, name, value = case
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], folder)
+    doc = json.loads((folder / "plan.json").read_text())
+    (folder / "plan.json").write_text(json.dumps(_mutated(doc, section, name, value)))
+    err = _assert_refused(["explain", str(folder / "plan.json")], tmp_path, capsys)
+    assert name in err, err
+    if section == "plan":
+        _assert_refused(["launch-script", "--plan", str(folder / "plan.json"), "--slurm", "--out",
+                         str(tmp_path / "run.sh")], tmp_path, capsys)
+
+
+def test_optional_plan_fields_default_when_missing(inputs):
+    """A plan field the schema does not require reads as TrainingPlan's default (DeepSpeed's own)."""
+    from memkit.emit import plan_doc
+    from memkit.plan import TrainingPlan
+    from memkit.plan_schema import plan_fields
+
+    doc = json.loads(Path(inputs["plan"]).read_text())
+    optional = [name for name, spec in plan_fields().items() if not spec.required]
+    assert len(optional) >= 20
+    for name in optional:
+        d = _mutated(doc, "plan", name, MISSING)
+        if name in ("lora_targets",):
+            continue
+        plan = plan_doc.check(d, where="plan.json").plan
+        assert getattr(plan, name) == getattr(TrainingPlan(), name), name
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"plan.checkpointing": "99"}, "the model has 2 blocks"),
+    ({"plan.dp": 4}, "the hardware has 2"),
+    ({"plan.micro_batch_size": 10**6}, "plan.micro_batch_size"),
+    ({"plan.gradient_clipping": -1.0}, "plan.gradient_clipping"),
+    ({"plan.reduce_bucket_size": -5}, "plan.reduce_bucket_size"),
+    ({"model": ""}, "model"),
+    ({"estimate.nvidia_smi_peak_bytes": -1}, "estimate.nvidia_smi_peak_bytes"),
+    ({"format_version": "v2"}, "format_version 'v2' is not a plan.json format number"),
+    ({"format_version": 2}, "plan.json format 2, written by memkit"),
+    ({"plan": "a string"}, "plan"),
+])
+def test_hand_edited_plan_json_is_refused_by_every_reader(change, needle, inputs, tmp_path, capsys, monkeypatch):
+    """The issue's hand edits: explain, explain --check, train --plan and launch-script all refuse them."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], folder)
+    doc = json.loads((folder / "plan.json").read_text())
+    for key, value in change.items():
+        section, _, name = key.rpartition(".")
+        doc = _mutated(doc, section, name, value)
+    (folder / "plan.json").write_text(json.dumps(doc))
+    plan = str(folder / "plan.json")
+    for argv in (["explain", plan], ["explain", "--check", plan],
+                 ["train", "--plan", plan, "--model", inputs["tiny"], "--data", "synthetic:8", "--output-dir",
+                  str(tmp_path / "t"), "--dry-run"],
+                 ["launch-script", "--plan", plan, "--slurm", "--out", str(tmp_path / "run.sh")]):
+        err = _assert_refused(argv, tmp_path, capsys)
+        assert needle in err, (argv[0], err)
+
+
+def test_previous_format_is_migrated(inputs):
+    """A version-0 document (no format_version; "model" as an object) reads as version 1 does."""
+    from memkit.emit import plan_doc
+
+    doc = json.loads(Path(inputs["plan"]).read_text())
+    old = {k: v for k, v in doc.items() if k != "format_version"}
+    old["model"] = {"name": doc["model"]}
+    migrated = plan_doc.check(old, where="plan.json")
+    assert migrated.model == doc["model"] and migrated.plan == plan_doc.check(doc, where="plan.json").plan
+
+
+def _deepspeed_cases() -> list[tuple[str, str, object]]:
+    """(id, dotted key, value) from ds_config.json's schema: the batch counts, and every field of the
+    zero_optimization / bf16 block memkit writes, typed by DeepSpeed's own models."""
+    from memkit.plan_schema import DEEPSPEED_BATCH_KEYS
+
+    cases = []
+    for key in DEEPSPEED_BATCH_KEYS:
+        cases += [(f"{key}-type", key, "8"), (f"{key}-zero", key, 0), (f"{key}-float", key, 2.5)]
+    cases += [("gradient_clipping-negative", "gradient_clipping", -1.0), ("optimizer-list", "optimizer", [1]),
+              ("zero-list", "zero_optimization", [1]), ("bf16-string", "bf16", "on")]
+    for key, bad in (("stage", "1"), ("stage", 7), ("stage", True), ("reduce_bucket_size", -5),
+                     ("reduce_bucket_size", "big"), ("allgather_bucket_size", -1), ("overlap_comm", "yes"),
+                     ("contiguous_gradients", 1), ("offload_optimizer", "cpu")):
+        cases.append((f"zero_optimization.{key}={bad!r}", f"zero_optimization.{key}", bad))
+    cases.append(("bf16.enabled='yes'", "bf16.enabled", "yes"))
+    return cases
+
+
+DEEPSPEED_CASES = _deepspeed_cases()
+
+
+@pytest.mark.parametrize("case", DEEPSPEED_CASES, ids=[c[0] for c in DEEPSPEED_CASES])
+def test_hand_edited_deepspeed_config_is_refused(case, inputs, tmp_path, capsys, monkeypatch):
+    """A ds_config.json field with the wrong type or out of DeepSpeed's range: launch-script and
+    train refuse it in one line naming the field, before anything runs or is written."""
+    _, key, value = case
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], folder)
+    acc = (folder / "accelerate.yaml").read_text().replace(inputs["bundle"], str(folder))
+    (folder / "accelerate.yaml").write_text(acc)
+    ds = json.loads((folder / "ds_config.json").read_text())
+    section, _, name = key.rpartition(".")
+    (ds[section] if section else ds)[name] = value
+    (folder / "ds_config.json").write_text(json.dumps(ds))
+    plan = str(folder / "plan.json")
+    for argv in (["launch-script", "--plan", plan, "--slurm", "--out", str(tmp_path / "run.sh")],
+                 ["train", "--plan", plan, "--model", inputs["tiny"], "--data", "synthetic:8", "--output-dir",
+                  str(tmp_path / "t"), "--dry-run"]):
+        err = _assert_refused(argv, tmp_path, capsys)
+        assert name in err, err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "list", "folder", "missing", "disagrees"])
+def test_damaged_deepspeed_file_is_refused(damage, inputs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], folder)
+    (folder / "accelerate.yaml").write_text((folder / "accelerate.yaml").read_text().replace(inputs["bundle"],
+                                                                                           str(folder)))
+    target = folder / "ds_config.json"
+    text = target.read_text()
+    if damage == "truncated":
+        target.write_text(text[: len(text) // 2])
+    elif damage == "list":
+        target.write_text("[]")
+    elif damage in ("folder", "missing"):
+        target.unlink()
+        if damage == "folder":
+            target.mkdir()
+    else:
+        ds = json.loads(text)
+        ds["zero_optimization"]["stage"] = 3
+        target.write_text(json.dumps(ds))
+    err = _assert_refused(["launch-script", "--plan", str(folder / "plan.json"), "--slurm", "--out",
+                           str(tmp_path / "run.sh")], tmp_path, capsys)
+    assert "ds_config.json" in err, err
+
+
+ACCELERATE_CASES = [("num_processes", "2"), ("num_processes", 0), ("num_machines", -1), ("machine_rank", "x"),
+                    ("main_process_port", 70000), ("distributed_type", "QUANTUM"), ("use_cpu", "no"),
+                    ("main_process_ip", "a;rm -rf x"), ("deepspeed_config", "ds.json"), ("bogus_key", 1)]
+
+
+@pytest.mark.parametrize("key, value", ACCELERATE_CASES, ids=[f"{k}={v!r}" for k, v in ACCELERATE_CASES])
+def test_hand_edited_accelerate_config_is_refused(key, value, inputs, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "bundle"
+    shutil.copytree(inputs["bundle"], folder)
+    acc = yaml.safe_load((folder / "accelerate.yaml").read_text().replace(inputs["bundle"], str(folder)))
+    acc[key] = value
+    (folder / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    err = _assert_refused(["launch-script", "--plan", str(folder / "plan.json"), "--slurm", "--out",
+                           str(tmp_path / "run.sh")], tmp_path, capsys)
+    assert key in err, err
