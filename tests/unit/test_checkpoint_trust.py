@@ -1,0 +1,102 @@
+"""What --resume trusts (memkit.train.checkpoint): data, never code, with and without a manifest;
+stray and partial folders skipped by step; RNG restore checked. One process (accelerator None
+for the checks), real torch.save files, a real pickle that would run a command."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from memkit.train.checkpoint import CheckpointManager, UnsafeCheckpoint, resolve_resume, write_manifest
+
+
+class Probe:
+    """Unpickling it runs a shell command that writes a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _checkpoint(root: Path, step: int, *, manifest: bool) -> Path:
+    """A 1-process ZeRO-2 DeepSpeed layout as Accelerate writes it (file names of
+    deepspeed/runtime/engine.py _get_ckpt_name / _get_zero_ckpt_name), every file real."""
+    folder = root / f"step-{step:08d}"
+    (folder / "pytorch_model").mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": step, "world_size": 1,
+                                                           "plan": {"zero_stage": 2, "tp": 1}}))
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, folder / "random_states_0.pkl")
+    torch.save({"module": {"w": torch.full((4,), float(step))}}, folder / "pytorch_model" / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"exp_avg": torch.zeros(4)}},
+               folder / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    if manifest:
+        write_manifest(folder, step=step, accelerator=None)
+    return folder
+
+
+@pytest.mark.parametrize("manifest", ["kept-rehashed", "deleted"])
+@pytest.mark.parametrize("target", ["pytorch_model/mp_rank_00_model_states.pt",
+                                    "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                    "random_states_0.pkl", "custom_checkpoint_0.pkl"])
+def test_a_pickle_that_runs_code_is_refused_and_never_run(tmp_path, capsys, manifest, target):
+    root = tmp_path / "checkpoints"
+    _checkpoint(root, 1, manifest=True)
+    newest = _checkpoint(root, 2, manifest=True)
+    marker = tmp_path / "MARKER"
+    torch.save({"state": Probe(marker)}, newest / target)  # custom_checkpoint_0.pkl: --optimizer-in-backward's
+    if manifest == "deleted":
+        (newest / "manifest.json").unlink()
+    else:  # anyone who can write the folder can re-hash it
+        write_manifest(newest, step=2, accelerator=None)
+    with pytest.raises(UnsafeCheckpoint) as err:
+        resolve_resume("latest", CheckpointManager(root, accelerator=None))
+    message = str(err.value)
+    assert "\n" not in message and str(newest / target) in message and "posix.system" in message
+    assert err.value.exit_code == 2
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpoint):  # the same for an explicit path
+        resolve_resume(str(newest), CheckpointManager(root, accelerator=None))
+    assert not marker.exists()
+
+
+def test_without_manifest_truncation_and_stray_folders_fall_back_by_step(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    _checkpoint(root, 1, manifest=False)
+    _checkpoint(root, 2, manifest=False)
+    states = root / "step-00000002" / "pytorch_model" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])  # truncated, no manifest to say so
+    stray = root / "step-00000009"
+    stray.mkdir()
+    (stray / "trainer_state.json").write_text(json.dumps({"step": 9, "world_size": 1}))  # and no `latest`
+    (root / "step-00000011").mkdir()  # an empty one
+    capsys.readouterr()
+    assert resolve_resume("latest", CheckpointManager(root, accelerator=None)) == root / "step-00000001"
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(": ", 2)[1].split()[1].rsplit("/", 1)[1] for line in err[:3]] == \
+        ["step-00000011", "step-00000009", "step-00000002"]  # newest step first
+    assert "is incomplete" in err[0] and "trainer_state.json is missing" in err[0]
+    assert "is incomplete" in err[1] and "random_states_0.pkl is missing" in err[1]
+    assert "is damaged" in err[2] and "mp_rank_00_model_states.pt does not load" in err[2]
+    assert "has no manifest.json" in err[3] and "step-00000001" in err[3]
+    assert "resuming from step-00000001" in err[4] and "3 damaged or incomplete" in err[4]
+    assert len(err) == 5
+
+
+def test_missing_partition_of_one_rank_without_manifest_is_incomplete(tmp_path, capsys):
+    """A 2-process checkpoint (trainer_state world_size 2) needs both ranks' RNG and ZeRO files."""
+    root = tmp_path / "checkpoints"
+    folder = _checkpoint(root, 3, manifest=False)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    (folder / "trainer_state.json").write_text(json.dumps({**state, "world_size": 2}))
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, folder / "random_states_1.pkl")
+    manager = CheckpointManager(root, accelerator=None)
+    assert manager.inspect(folder) == ("incomplete", "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt or "
+                                                     "pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt "
+                                                     "is missing")
+    torch.save({"optimizer_state_dict": {}}, folder / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert manager.inspect(folder) is None
