@@ -231,6 +231,8 @@ class CheckpointManager:
         except (OSError, ValueError, TypeError):
             return [(STATE_FILE,)]
         world = state.get("world_size") if isinstance(state.get("world_size"), int) else _world(self.accelerator)
+        if (path / DCP_DIR).is_dir():  # a split run's DCP checkpoint (split_checkpoint.DcpCheckpointManager)
+            return [(n,) for n in dcp_required_files(world)] + [(f"{DCP_DIR}/{DCP_METADATA}",)]
         return [(n,) for n in self.required_files(world)] + _layout_files(path, state, world)
 
     def candidates(self) -> list[Path]:
@@ -301,6 +303,13 @@ def _attempt(action, folder: Path) -> str | None:
         action()
     except (OSError, RuntimeError) as exc:
         return _cause(exc, folder)
+    except BaseException as exc:
+        # torch.distributed.checkpoint gathers every rank's write error into one CheckpointException
+        # (a BaseException; torch/distributed/checkpoint/api.py), raised on every rank.
+        failures = getattr(exc, "failures", None)
+        if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+            raise
+        return _cause(next(iter(failures.values()))[0], folder)
     return None
 
 
@@ -479,6 +488,20 @@ def _gather(items: list, accelerator) -> list:
     return list(gather_object(list(items)))
 
 
+DCP_DIR = "dcp"
+"""Where split_checkpoint's DCP checkpoint lives inside a step folder."""
+
+
+def dcp_rng_file(rank: int) -> str:
+    """A split run's per-rank RNG states file (split_checkpoint._save_rng)."""
+    return f"rng/rank{rank}.pt"
+
+
+def dcp_required_files(world_size: int) -> list[str]:
+    """Files every split-run (DCP) checkpoint must hold: the trainer state and each rank's RNG states."""
+    return [STATE_FILE] + [dcp_rng_file(i) for i in range(world_size)]
+
+
 def expected_files(world_size: int) -> list[str]:
     """Files every checkpoint must hold: the trainer state and each process's RNG states
     (accelerate/checkpointing.py save_accelerator_state: f"{RNG_STATE_NAME}_{process_index}.pkl")."""
@@ -532,7 +555,7 @@ def _layout_files(folder: Path, state: dict, world: int) -> list[tuple[str, ...]
     deepspeed/runtime/engine.py, _get_ckpt_name (mp_rank_MM_model_states.pt; ZeRO-3:
     zero_pp_rank_D_mp_rank_MM_model_states.pt) and _get_zero_ckpt_name (ZeRO >= 1, one per
     data-parallel rank D: [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt), MM the tensor-parallel
-    rank. DCP (split_checkpoint): dcp/.metadata. Plain Accelerate (accelerate/checkpointing.py,
+    rank. Plain Accelerate (accelerate/checkpointing.py,
     save_accelerator_state): the model as safetensors or .bin."""
     plan = state.get("plan") if isinstance(state.get("plan"), dict) else {}
     if (folder / "pytorch_model").is_dir():
@@ -549,8 +572,6 @@ def _layout_files(folder: Path, state: dict, world: int) -> list[tuple[str, ...]
                 out += [tuple(f"pytorch_model/{pre}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt"
                               for pre in ("", "bf16_")) for d in range(dp)]
         return out
-    if (folder / "dcp").is_dir():
-        return [("dcp/.metadata",)]
     return [("model.safetensors", "pytorch_model.bin")]
 
 

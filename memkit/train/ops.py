@@ -311,8 +311,9 @@ def needed_ops(plan: TrainingPlan, ds_config: dict | None) -> list[str]:
 def prepare_ops(plan: TrainingPlan, ds_config: dict | None, *, say: bool = True) -> list[str]:
     """Before any process group: this install's extensions root, every stale lock in it removed
     (a line each), a line per op that must be compiled (what, why, estimate), then every needed
-    op built or loaded here. Every local rank calls it: the first builds, the others wait on its
-    live lock and load the result, so none sits in a collective meanwhile. Returns the ops."""
+    op built or loaded here. Every local rank calls it, `say` on local rank 0 only (it removes the
+    stale locks and speaks): the first to take an op's lock builds, the others wait on that live
+    lock and load the result, so none sits in a collective meanwhile. Returns the ops."""
     root = use_install_extensions_dir()
     names = [n for n in needed_ops(plan, ds_config) if op_state(n, root).compatible]
     if not names:
@@ -322,7 +323,8 @@ def prepare_ops(plan: TrainingPlan, ds_config: dict | None, *, say: bool = True)
         if say:
             print(f"memkit: {message}", file=sys.stderr, flush=True)
 
-    clear_stale_locks(root, say=line)
+    if say:  # local rank 0 (the others meet a stale lock only by waiting on it until it is gone)
+        clear_stale_locks(root, say=line)
     for name in names:
         state = op_state(name, root)
         if state.ready:
