@@ -295,13 +295,21 @@ def _attempt_errno(action) -> int | None:
     return None
 
 
+def _write_errors() -> tuple[type, ...]:
+    """What a failed write raises: OSError; RuntimeError from torch.save's stream writer;
+    SafetensorError from safetensors' writer (Accelerate saves the model with it), which carries
+    the OS error only in its text."""
+    from safetensors import SafetensorError
+
+    return OSError, RuntimeError, SafetensorError
+
+
 def _attempt(action, folder: Path) -> str | None:
     """None when `action` ran; else the cause in words (a write fault on this rank; `folder` is
-    probed when the error carries no errno). Faults are OSError, or RuntimeError from torch.save's
-    stream writer."""
+    probed when the error carries no errno)."""
     try:
         action()
-    except (OSError, RuntimeError) as exc:
+    except _write_errors() as exc:
         return _cause(exc, folder)
     except BaseException as exc:
         # torch.distributed.checkpoint gathers every rank's write error into one CheckpointException
@@ -366,7 +374,7 @@ def _recorded_writes(accelerator):
                 return None
             try:
                 return original(*args, **kwargs)
-            except (OSError, RuntimeError) as exc:
+            except _write_errors() as exc:
                 target = next((a for a in args if isinstance(a, (str, os.PathLike))), ".")
                 record.fault = _cause(exc, Path(target).parent)
                 return None

@@ -100,3 +100,59 @@ def test_missing_partition_of_one_rank_without_manifest_is_incomplete(tmp_path, 
                                                      "is missing")
     torch.save({"optimizer_state_dict": {}}, folder / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert manager.inspect(folder) is None
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (needs root for mount; skipped otherwise)."""
+    import subprocess
+
+    mount_point = tmp_path / "ckpts"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_save_onto_a_full_then_read_only_file_system_says_why_and_keeps_the_previous(tiny_tmpfs):
+    """One process, the real Accelerate save_state of a real model + AdamW: a checkpoint that
+    fits is published; the next one does not fit (torch's zip writer fails without an errno) and
+    is said as 'no space left on device', the half-written folder gone; read-only likewise."""
+    import subprocess
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from memkit.train.checkpoint import EXIT_CHECKPOINT_WRITE, CheckpointWriteError
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model, optimizer = accelerator.prepare(model, optimizer)
+        manager = CheckpointManager(tiny_tmpfs, accelerator, keep=5)
+        first = manager.save(1, {"step": 1, "world_size": 1})
+        assert manager.damage(first) is None
+        stat = os.statvfs(tiny_tmpfs)  # fill it up to 8 KiB: the probe fits, the model states do not
+        (tiny_tmpfs / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 8192))
+        with pytest.raises(CheckpointWriteError) as err:
+            manager.save(2, {"step": 2, "world_size": 1})
+        assert str(err.value) == (f"could not write checkpoint step-00000002 to {tiny_tmpfs}: no space left on device "
+                                  "(previous checkpoint step-00000001 kept)")
+        assert err.value.exit_code == EXIT_CHECKPOINT_WRITE
+        assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler", "latest", "step-00000001"]
+        assert manager.damage(first) is None
+        (tiny_tmpfs / "filler").unlink()
+        subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
+        with pytest.raises(CheckpointWriteError, match=r"step-00000002 to .*: read-only file system "
+                                                       r"\(previous checkpoint step-00000001 kept\)$"):
+            manager.save(2, {"step": 2, "world_size": 1})
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
