@@ -40,7 +40,7 @@ import os
 import re
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PosixPath, PurePosixPath
 
 from memkit.errors import MemkitError
 
@@ -615,15 +615,41 @@ def _data_globals() -> list:
 
         out += [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
     with contextlib.suppress(ImportError):
-        from torch.distributed.checkpoint import metadata as dcp
+        import inspect
 
-        out += [getattr(dcp, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                                "StorageMeta") if hasattr(dcp, name)]
+        from torch.distributed.checkpoint import metadata as dcp
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-        out.append(_StorageInfo)
+        # every dataclass / enum the metadata module defines (Metadata, TensorStorageMetadata,
+        # ChunkStorageMetadata, TensorProperties, MetadataIndex, _MEM_FORMAT_ENCODING, ...)
+        out += [cls for _, cls in inspect.getmembers(dcp, inspect.isclass) if cls.__module__ == dcp.__name__]
+        out += [_StorageInfo, PurePosixPath, PosixPath]  # StorageMeta.checkpoint_id: the folder, as a Path
     return out
+
+
+class _DataOnlyUnpickler:
+    """For DCP's .metadata, a plain pickle of protocol 4 (its FRAME opcode is beyond torch's
+    weights-only unpickler): the standard library's unpickler whose find_class, the only way a
+    pickle reaches a callable (Python docs, pickle, "Restricting Globals"), returns only what
+    torch.load(weights_only=True) allows (torch/_weights_only_unpickler.py, _get_allowed_globals)
+    plus `_data_globals`."""
+
+    def __new__(cls, handle):
+        import pickle
+
+        import torch._weights_only_unpickler as wo
+
+        allowed = dict(wo._get_allowed_globals())
+        allowed.update({f"{obj.__module__}.{obj.__qualname__}": obj for obj in _data_globals()})
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module, name):
+                found = allowed.get(f"{module}.{name}")
+                if found is None:
+                    raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+                return found
+
+        return Restricted(handle)
 
 
 def _unpickled(name: str) -> bool:
@@ -640,10 +666,8 @@ def _load_problem(path: Path) -> tuple[str, str] | None:
     try:
         with torch.serialization.safe_globals(_data_globals()):
             if path.name == DCP_METADATA:
-                from torch._weights_only_unpickler import Unpickler  # what torch.load(weights_only=True) runs
-
                 with open(path, "rb") as handle:
-                    Unpickler(handle).load()
+                    _DataOnlyUnpickler(handle).load()
             else:
                 with open(path, "rb") as handle:
                     zipped = handle.read(4) == b"PK\x03\x04"

@@ -156,3 +156,25 @@ def test_save_onto_a_full_then_read_only_file_system_says_why_and_keeps_the_prev
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState._reset_state()
+
+
+def test_dcp_metadata_loads_as_data_and_a_probe_in_it_is_refused(tmp_path):
+    """A real torch.distributed.checkpoint save (one process): its .metadata (a plain protocol-4
+    pickle that DCP reads with pickle.load) passes; the same file replaced by a probe is refused."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from memkit.train.checkpoint import _check_loads
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save({"model/w": torch.ones(3, 4, dtype=torch.bfloat16), "optim/w/exp_avg": torch.zeros(3, 4),
+                  "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert _check_loads(tmp_path, None) is None
+    marker = tmp_path / "MARKER"
+    with open(tmp_path / "dcp" / ".metadata", "wb") as handle:
+        pickle.dump(Probe(marker), handle, protocol=4)
+    assert _check_loads(tmp_path, None) == ("code", "dcp/.metadata", "its pickle names posix.system")
+    assert not marker.exists()
