@@ -66,7 +66,9 @@ def _rank_exits(result) -> list[int]:
     which lists each failed rank's `exitcode`; no Python frame of memkit may appear."""
     assert result.returncode != 0, result.stdout[-4000:]
     assert not re.search(r'File ".*(memkit|finetune\.py)', result.stdout), result.stdout[-4000:]
-    return sorted(int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", result.stdout))
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", result.stdout)
+    by_rank = {int(rank): int(code) for rank, code in found}  # the root cause is listed twice
+    return [code for _, code in sorted(by_rank.items())]
 
 
 _PROBE = '''
@@ -134,16 +136,10 @@ def test_truncated_states_without_manifest_and_a_stray_folder_fall_back(referenc
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 3 MiB tmpfs: one checkpoint of the tiny run (1.9 MiB) fits, a second does not."""
-    mount_point = tmp_path / "run" / "checkpoints"
-    mount_point.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    from tmpfs_util import tmpfs
+
+    with tmpfs(tmp_path / "run" / "checkpoints", "3m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_full_and_read_only_checkpoint_folders_are_said_once(reference, tmp_path, small_tmpfs):
@@ -159,7 +155,9 @@ def test_full_and_read_only_checkpoint_folders_are_said_once(reference, tmp_path
     assert sorted(p.name for p in small_tmpfs.iterdir()) == [LATEST_NAME, _step(1)]  # no half-written folder
     assert CheckpointManager(small_tmpfs, accelerator=None).damage(small_tmpfs / _step(1)) is None
 
-    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    from tmpfs_util import remount_read_only
+
+    remount_read_only(small_tmpfs)
     result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(out), "--resume"])
     assert _rank_exits(result) in ([EXIT_CHECKPOINT_WRITE], [EXIT_CHECKPOINT_WRITE] * 2)
     expected = (f"memkit: could not write checkpoint {_step(2)} to {small_tmpfs}: read-only file system "

@@ -105,28 +105,20 @@ def test_missing_partition_of_one_rank_without_manifest_is_incomplete(tmp_path, 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A real 1 MiB tmpfs (needs root for mount; skipped otherwise)."""
-    import subprocess
+    from tmpfs_util import tmpfs
 
-    mount_point = tmp_path / "ckpts"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ckpts", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_save_onto_a_full_then_read_only_file_system_says_why_and_keeps_the_previous(tiny_tmpfs):
     """One process, the real Accelerate save_state of a real model + AdamW: a checkpoint that
     fits is published; the next one does not fit (torch's zip writer fails without an errno) and
     is said as 'no space left on device', the half-written folder gone; read-only likewise."""
-    import subprocess
-
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from tmpfs_util import remount_read_only
 
     from memkit.train.checkpoint import EXIT_CHECKPOINT_WRITE, CheckpointWriteError
 
@@ -148,7 +140,7 @@ def test_save_onto_a_full_then_read_only_file_system_says_why_and_keeps_the_prev
         assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler", "latest", "step-00000001"]
         assert manager.damage(first) is None
         (tiny_tmpfs / "filler").unlink()
-        subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
+        remount_read_only(tiny_tmpfs)
         with pytest.raises(CheckpointWriteError, match=r"step-00000002 to .*: read-only file system "
                                                        r"\(previous checkpoint step-00000001 kept\)$"):
             manager.save(2, {"step": 2, "world_size": 1})
