@@ -170,3 +170,31 @@ def test_dcp_metadata_loads_as_data_and_a_probe_in_it_is_refused(tmp_path):
         pickle.dump(Probe(marker), handle, protocol=4)
     assert _check_loads(tmp_path, None) == ("code", "dcp/.metadata", "its pickle names posix.system")
     assert not marker.exists()
+
+
+def test_an_rng_file_accelerate_cannot_restore_is_a_warning_line(tmp_path, capsys):
+    """Accelerate skips RNG states it cannot apply with a message at INFO (accelerate/checkpointing.py,
+    load_accelerator_state); memkit says it as a WARNING line. Real Accelerate save/load, one process."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        model, optimizer = accelerator.prepare(torch.nn.Linear(8, 8), torch.optim.AdamW(torch.nn.Linear(8, 8).parameters()))
+        manager = CheckpointManager(tmp_path / "checkpoints", accelerator)
+        folder = manager.save(1, {"step": 1, "world_size": 1})
+        capsys.readouterr()
+        manager.load(folder)
+        assert "WARNING" not in capsys.readouterr().err  # restored
+        torch.save({"random_state": None, "torch_manual_seed": torch.zeros(3, dtype=torch.uint8)},
+                   folder / "random_states_0.pkl")  # data, but not a generator state torch accepts
+        write_manifest(folder, step=1, accelerator=None)
+        assert manager.inspect(folder) is None
+        manager.load(folder)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"memkit: WARNING: the RNG states of {folder} were not restored")
+        assert "random_states_0.pkl" in err[0]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
