@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
 OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}

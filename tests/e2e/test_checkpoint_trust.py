@@ -16,7 +16,6 @@ One uninterrupted reference run checkpoints after steps 1-3 of 4; each test work
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
