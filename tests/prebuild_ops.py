@@ -7,7 +7,9 @@ tests/conftest.py calls `prebuild()` once per session when e2e tests are collect
 cpu_adam (ZeRO optimizer offload, DeepSpeedCPUAdam), fused_adam (the CPU FusedAdam DeepSpeed picks
 for "AdamW" without offload) and deepspeed_shm_comm (the CPU accelerator's shared-memory
 collectives); deepspeed/ops/op_builder/cpu/*.py, created through get_accelerator() as
-DeepSpeed itself does (deepspeed/accelerator/cpu_accelerator.py, create_op_builder).
+DeepSpeed itself does (deepspeed/accelerator/cpu_accelerator.py, create_op_builder). They are
+built into the folder the runs use: memkit.train.ops.use_install_extensions_dir (this install's
+root unless TORCH_EXTENSIONS_DIR is set; it is set here, so every launch of the session inherits it).
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ def prebuild(ops=OPS) -> dict[str, float]:
     (DeepSpeed then falls back or fails exactly as it would in the run)."""
     from deepspeed.accelerator import get_accelerator
 
+    from memkit.train.ops import use_install_extensions_dir
+
+    use_install_extensions_dir()
     took = {}
     for name in ops:
         builder = get_accelerator().create_op_builder(name)

@@ -16,7 +16,8 @@ EXIT_PROBLEM = 1
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build", action="store_true",
-                   help="compile the DeepSpeed ops memkit's plans load (cpu_adam, fused_adam) where buildable")
+                   help="compile the DeepSpeed ops memkit's plans load (cpu_adam, fused_adam, deepspeed_shm_comm) "
+                        "where buildable")
     p.add_argument("--clear-stale-locks", action="store_true",
                    help="remove build locks left by interrupted compiles (no process has them open)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -48,16 +49,15 @@ def _devices() -> dict:
 
 
 def collect(*, build: bool, clear_stale_locks: bool, say) -> dict:
-    from memkit.train.ops import BUILD_MINUTES, OPS, build_op, extensions_root, find_locks, op_state
+    from memkit.train.ops import (OPS, build_estimate, build_op, clear_stale_locks as clear, find_locks, op_state,
+                                  use_install_extensions_dir)
 
-    root = extensions_root()
+    root = use_install_extensions_dir()  # the folder the runs build into (per install unless TORCH_EXTENSIONS_DIR)
     report = {"versions": _versions(), "devices": _devices(), "extensions_root": str(root), "ops": {},
               "locks": [], "removed_locks": []}
+    if clear_stale_locks:
+        report["removed_locks"] = [str(path) for path in clear(root)]
     for lock in find_locks(root):
-        if lock.stale and clear_stale_locks:
-            lock.path.unlink(missing_ok=True)
-            report["removed_locks"].append(str(lock.path))
-            continue
         report["locks"].append({"path": str(lock.path), "age_s": round(lock.age_s), "stale": lock.stale,
                                 "holders": list(lock.holders) if lock.holders is not None else None,
                                 "explain": lock.explain()})
@@ -71,7 +71,7 @@ def collect(*, build: bool, clear_stale_locks: bool, say) -> dict:
             if state.lock is not None:
                 entry["build"] = f"skipped: {state.lock.explain()}"
             else:
-                say(f"building DeepSpeed {name}, ~{BUILD_MINUTES[name]} min, cached in {state.build_dir} ...")
+                say(f"building DeepSpeed {name}, {build_estimate(name, root)}, cached in {state.build_dir} ...")
                 try:
                     entry["build_s"] = round(build_op(name), 1)
                     entry["cached"] = op_state(name, root).cached

@@ -105,8 +105,9 @@ def _check_devices(acc: dict, path: Path) -> None:
 
 
 def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
-    """Before launching: a stale DeepSpeed build lock is an error here (the ranks would wait on it
-    forever, silently, in the log); a compile the run will do is announced (memkit.train.ops)."""
+    """Before launching: stale DeepSpeed build locks are removed with a line (the ranks would wait
+    on them forever, silently, in the log) and the ops the run needs are built here, announced
+    (memkit.train.ops.prepare_ops)."""
     from memkit.train.ops import announce_builds
 
     ds_file = (acc.get("deepspeed_config") or {}).get("deepspeed_config_file")

@@ -42,7 +42,7 @@ import torch
 
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
-from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_final_model
+from memkit.train.checkpoint import CheckpointManager, CheckpointWriteError, resolve_resume, save_final_model
 from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
@@ -287,6 +287,7 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     # DeepSpeed file is only readable once Accelerate has parsed it.
     provisional = plan_in or TrainingPlan(**{k: (tuple(v) if k == "lora_targets" else v)
                                              for k, v in flags.items() if v is not None})
+    _ops_before_process_group(provisional)
     accelerator = make_accelerator(provisional, run)
     is_ds = accelerator.distributed_type == DistributedType.DEEPSPEED
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if is_ds else None
@@ -317,10 +318,6 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     log = JsonlLog(out_dir / "log.jsonl" if main else None)
     device = accelerator.device
 
-    if is_ds and main:
-        from memkit.train.ops import announce_builds
-
-        announce_builds(plan, ds_config)  # a stale build lock is an error, a compile is announced
     if plan.pp > 1:
         pipe, optimizer, num_params, num_trainable = _pipeline_and_optimizer(
             plan, run, layout, model_source, model_config, device=device)
@@ -386,6 +383,25 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
                 log=log, board=board, start_record=start_record, flops_per_token=flops_per_token,
                 peak_tflops=peak_tflops, start_step=start_step, tokens_seen=tokens_seen, step=start_step,
                 model_config=model_config)
+
+
+def _ops_before_process_group(plan: TrainingPlan) -> None:
+    """The DeepSpeed ops this launch loads, built or loaded before the Accelerator starts the
+    process group (memkit.train.ops.prepare_ops: stale locks removed, builds announced by local
+    rank 0, this install's extensions root). The DeepSpeed file is the one `accelerate launch`
+    hands every rank (accelerate/utils/launch.py: ACCELERATE_DEEPSPEED_CONFIG_FILE)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    from memkit.train.ops import prepare_ops
+
+    try:
+        ds_config = json.loads(Path(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).read_text())
+    except (KeyError, OSError, ValueError):
+        return  # Accelerate reports a missing or broken DeepSpeed file itself
+    if not isinstance(ds_config, dict):
+        return
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import
+        prepare_ops(plan, ds_config, say=int(os.environ.get("LOCAL_RANK", "0")) == 0)
 
 
 def _lookup_params(model_source) -> int:
@@ -504,9 +520,7 @@ def _steps(st: _Run) -> None:
             periodic = run.save_every and st.step % run.save_every == 0 and st.step < run.max_steps
             if periodic or want_stop:
                 crash = run.debug_crash_in_save_at_step == st.step
-                path = st.manager.save(st.step, {**_trainer_state(st.step, st.tokens_seen, data, plan, run, st.world),
-                                                 **split_checkpoint.trainer_state_extra(st.manager)},
-                                       crash_before_publish=crash)
+                path = _save_checkpoint(st, crash_before_publish=crash)
                 st.log.write({"event": "checkpoint", "step": st.step, "path": str(path)})
             if want_stop:
                 st.interrupted_by = stop.signum or signal.SIGTERM
@@ -517,6 +531,23 @@ def _steps(st: _Run) -> None:
         stop.restore()
         if progress is not None:
             progress.close()
+
+
+def _save_checkpoint(st: _Run, *, crash_before_publish: bool) -> Path:
+    """Collective: the checkpoint of st.step. A write fault on any rank (disk full, read-only,
+    permission, quota; checkpoint.CheckpointWriteError) is said once by rank 0 and every rank
+    exits with its code at once (as main does for a MemkitError: peers would wait in teardown)."""
+    state = {**_trainer_state(st.step, st.tokens_seen, st.data, st.plan, st.run, st.world),
+             **split_checkpoint.trainer_state_extra(st.manager)}
+    try:
+        return st.manager.save(st.step, state, crash_before_publish=crash_before_publish)
+    except CheckpointWriteError as exc:
+        if st.main:
+            print(f"memkit: {exc}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # log.jsonl may sit on the same full file system
+            st.log.write({"event": "checkpoint_failed", "step": st.step, "error": str(exc)})
+        sys.stderr.flush()
+        os._exit(exc.exit_code)
 
 
 def _postfix(record: dict, mem, st: _Run) -> dict:

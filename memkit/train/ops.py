@@ -14,29 +14,48 @@ mid-way leaves the file behind and every later launch waits forever. Because the
 the descriptor open, a lock no process has open (/proc/<pid>/fd) is stale. That check sees the
 processes of this machine only (a home directory shared over NFS with a build on another node
 looks stale here).
+
+memkit never waits on a stale lock: `prepare_ops` (each rank, before any process group exists)
+removes every stale lock under the extensions root with a line, announces each op it must build
+(what, why, an estimate), and builds or loads the ops the run needs, so no rank waits in a
+collective while another compiles. The extensions root is per install (`install_extensions_root`,
+derived from sys.prefix) unless TORCH_EXTENSIONS_DIR is set: two virtual environments (another
+torch, another ninja) never rebuild each other's ops.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 
-OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder"}
-"""DeepSpeed op NAME -> its builder class (deepspeed/ops/op_builder: cpu_adam.py, fused_adam.py)."""
-BUILD_MINUTES = {"cpu_adam": 1, "fused_adam": 2}
-"""Rough first-build times shown to the user (issue 15: cpu_adam + fused_adam took 340 s on a CPU box)."""
+OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
+"""DeepSpeed op NAME -> its builder class (deepspeed/ops/op_builder: cpu_adam.py, fused_adam.py;
+cpu/comm.py ShareMemCommBuilder, which deepspeed/comm/torch.py build_shm_op loads for every
+process group DeepSpeed starts on a CPU accelerator)."""
+WHY = {"cpu_adam": "DeepSpeedCPUAdam, the optimizer step under optimizer offload",
+       "fused_adam": "the AdamW optimizer block of the DeepSpeed config",
+       "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives between the CPU processes"}
+BUILD_MINUTES = {"cpu_adam": 2, "fused_adam": 12, "deepspeed_shm_comm": 8}
+"""First-build times shown before a build that has no measurement of its own yet: measured on
+this project's 2-core CI machine with other jobs running (the last line of each op's .ninja_log,
+in ms: cpu_adam 100 s, deepspeed_shm_comm 444 s, fused_adam 703 s), rounded up. Once memkit has built an op, the
+measured time (BUILD_TIMES in the extensions root) is shown for the next build instead."""
+BUILD_TIMES = "memkit-build-times.json"
+STALE_RECHECK_S = 0.5
+"""A lock seen without a holder is looked at again after this long: torch's FileBaton.release
+closes the descriptor, then removes the file (torch/utils/file_baton.py), so a lock caught in
+between is not stale; one still there, same inode, still unheld, is."""
 
 
-def extensions_root() -> Path:
-    """Where torch builds and caches extensions (torch/utils/cpp_extension.py, _get_build_directory)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
+def _default_root() -> Path:
+    """torch's own default (torch/utils/cpp_extension.py, _get_build_directory)."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -48,6 +67,62 @@ def extensions_root() -> Path:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def install_extensions_root() -> Path:
+    """This install's extensions root: torch's default folder name plus a digest of sys.prefix
+    (one per virtual environment or Python install)."""
+    digest = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    default = _default_root()
+    return default.with_name(f"{default.name}-{digest}")
+
+
+def use_install_extensions_dir() -> Path:
+    """Point TORCH_EXTENSIONS_DIR at this install's root unless the user set it (torch reads it
+    at every build: cpp_extension._get_build_directory); ops this same install already built in
+    torch's shared default folder are copied over once (`_adopt_default_builds`). Returns the root."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        root = install_extensions_root()
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+        _adopt_default_builds(_default_root(), root)
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def _adopt_default_builds(default: Path, root: Path) -> None:
+    """Copy each finished op build of torch's default root that this install made (its build.ninja
+    compiles against this install's torch headers and Python) into `root`, so an existing cache is
+    not rebuilt. A build made by another install, or one in progress (lock), is left alone."""
+    import sysconfig
+
+    import torch
+
+    if not default.is_dir():
+        return
+    marks = (f"-isystem {Path(torch.__file__).parent / 'include'} ", f"-isystem {sysconfig.get_paths()['include']} ")
+    for build in sorted(default.iterdir()):
+        name = build.name
+        if (root / name).exists() or (build / "lock").exists() or not (build / f"{name}.so").is_file():
+            continue
+        try:
+            ninja = (build / "build.ninja").read_text()
+        except OSError:
+            continue
+        if not all(mark in ninja for mark in marks):
+            continue
+        staging = root / f".adopting-{name}-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(build, staging, copy_function=shutil.copy2)  # mtimes kept: ninja sees it up to date
+            os.rename(staging, root / name)
+        except OSError:  # another rank adopted it first, or no room: torch builds it then
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def extensions_root() -> Path:
+    """Where torch builds and caches extensions for memkit: $TORCH_EXTENSIONS_DIR, else this
+    install's root (install_extensions_root)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else install_extensions_root()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,12 +218,63 @@ def op_state(name: str, root: Path | None = None) -> OpState:
 
 
 def build_op(name: str) -> float:
-    """Compile (or load) one op now; returns the seconds it took."""
+    """Compile (or load) one op now, in this install's extensions root; returns the seconds it
+    took (recorded there when it compiled, for the next estimate)."""
     from deepspeed.accelerator import get_accelerator
 
+    root = use_install_extensions_dir()
+    was_cached = (root / name / f"{name}.so").is_file()
     start = time.perf_counter()
     get_accelerator().create_op_builder(OPS[name]).load(verbose=False)
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    if not was_cached:
+        _record_build_time(root, name, took)
+    return took
+
+
+def _record_build_time(root: Path, name: str, seconds: float) -> None:
+    path = root / BUILD_TIMES
+    try:
+        times = json.loads(path.read_text()) if path.is_file() else {}
+        times[name] = round(seconds, 1)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # an estimate only
+
+
+def build_estimate(name: str, root: Path | None = None) -> str:
+    """'~N min' for a first build of `name`: memkit's last measured build here, else BUILD_MINUTES."""
+    root = extensions_root() if root is None else root
+    try:
+        seconds = float(json.loads((root / BUILD_TIMES).read_text())[name])
+        return f"~{max(1, round(seconds / 60))} min (measured here: {seconds:.0f} s)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"~{BUILD_MINUTES[name]} min on a 2-core machine"
+
+
+def clear_stale_locks(root: Path | None = None, *, say=None) -> list[Path]:
+    """Remove every build lock under `root` that no process holds (looked at twice,
+    STALE_RECHECK_S apart, same file); each removal said through `say`. Returns the removed."""
+    root = extensions_root() if root is None else root
+    removed = []
+    for lock in find_locks(root):
+        if not lock.stale:
+            continue
+        try:
+            inode = lock.path.stat().st_ino
+            time.sleep(STALE_RECHECK_S)
+            if lock.path.stat().st_ino != inode or _holders(lock.path):
+                continue
+            lock.path.unlink()
+        except FileNotFoundError:  # released or removed meanwhile
+            continue
+        removed.append(lock.path)
+        if say is not None:
+            say(f"removed stale build lock {lock.path} ({lock.age_s / 60:.0f} min old, no process has it "
+                f"open: a build of {lock.path.parent.name} was interrupted); building it again")
+    return removed
 
 
 def ops_for(plan: TrainingPlan, ds_config: dict | None) -> list[str]:
@@ -165,19 +291,54 @@ def ops_for(plan: TrainingPlan, ds_config: dict | None) -> list[str]:
     return []
 
 
+def needed_ops(plan: TrainingPlan, ds_config: dict | None) -> list[str]:
+    """Every op a DeepSpeed run of this plan loads: the optimizer's (ops_for) and, on a CPU
+    accelerator, the shared-memory collectives DeepSpeed's process group loads."""
+    if ds_config is None:
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    optimizer_ops = ops_for(plan, ds_config)
+    if offload in ("cpu", "nvme") and plan.optimizer == "adamw":  # also a run from flags + this file
+        optimizer_ops = ["cpu_adam"]
+
+    shm = ["deepspeed_shm_comm"] if get_accelerator().create_op_builder(OPS["deepspeed_shm_comm"]) is not None else []
+    return optimizer_ops + shm
+
+
+def prepare_ops(plan: TrainingPlan, ds_config: dict | None, *, say: bool = True) -> list[str]:
+    """Before any process group: this install's extensions root, every stale lock in it removed
+    (a line each), a line per op that must be compiled (what, why, estimate), then every needed
+    op built or loaded here. Every local rank calls it, `say` on local rank 0 only (it removes the
+    stale locks and speaks): the first to take an op's lock builds, the others wait on that live
+    lock and load the result, so none sits in a collective meanwhile. Returns the ops."""
+    root = use_install_extensions_dir()
+    names = [n for n in needed_ops(plan, ds_config) if op_state(n, root).compatible]
+    if not names:
+        return []
+
+    def line(message: str) -> None:
+        if say:
+            print(f"memkit: {message}", file=sys.stderr, flush=True)
+
+    if say:  # local rank 0 (the others meet a stale lock only by waiting on it until it is gone)
+        clear_stale_locks(root, say=line)
+    for name in names:
+        state = op_state(name, root)
+        if state.ready:
+            continue
+        if state.lock is not None and state.lock.holders:
+            line(f"waiting: {state.lock.explain()}")
+        else:
+            line(f"building DeepSpeed {name} ({WHY[name]}; first use in this install), "
+                 f"{build_estimate(name, root)}, cached in {state.build_dir}; `memkit doctor --build` "
+                 "prebuilds it")
+    for name in names:
+        build_op(name)
+    return names
+
+
 def announce_builds(plan: TrainingPlan, ds_config: dict | None, *, say: bool = True) -> None:
-    """Before the engine loads its ops: MemkitError on a stale build lock (instead of waiting on it
-    forever); a line before a compile or while another process compiles."""
-    for name in ops_for(plan, ds_config):
-        state = op_state(name)
-        if state.ready and state.lock is None:
-            continue
-        if state.lock is not None and state.lock.stale:
-            raise MemkitError(state.lock.explain())
-        if not say:
-            continue
-        if state.lock is not None:
-            print(f"memkit: waiting: {state.lock.explain()}", file=sys.stderr, flush=True)
-        elif not state.ready and state.compatible:
-            print(f"memkit: building DeepSpeed {name} (first use, ~{BUILD_MINUTES[name]} min), cached in "
-                  f"{state.build_dir}; `memkit doctor --build` prebuilds it", file=sys.stderr, flush=True)
+    """prepare_ops for callers that hold a plan and a DeepSpeed config (kept for memkit verify/train)."""
+    prepare_ops(plan, ds_config, say=say)

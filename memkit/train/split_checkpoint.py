@@ -40,9 +40,8 @@ from memkit.parallel import SPLIT_LIMITS
 
 if TYPE_CHECKING:   # annotations only; torch is imported where the functions run
     import torch
-from memkit.train.checkpoint import STATE_FILE, CheckpointManager
+from memkit.train.checkpoint import DCP_DIR, STATE_FILE, CheckpointManager, dcp_required_files, dcp_rng_file
 
-DCP_DIR = "dcp"
 FORMAT_DCP = "dcp-fqn"
 """trainer_state.json "format" of a checkpoint written by this module's DCP path."""
 OPTIM_PREFIX = "optim/"
@@ -153,16 +152,16 @@ def _world() -> int:
 def _save_rng(folder: Path) -> None:
     import torch
 
-    rng = Path(folder) / "rng"
-    rng.mkdir(parents=True, exist_ok=True)
-    torch.save({"torch": torch.get_rng_state(), "world_size": _world()}, rng / f"rank{_rank()}.pt")
+    path = Path(folder) / dcp_rng_file(_rank())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"torch": torch.get_rng_state(), "world_size": _world()}, path)
 
 
 def _load_rng(folder: Path) -> None:
     """Per-rank RNG states, restored when the layout matches (dropout draws; none on another layout)."""
     import torch
 
-    path = Path(folder) / "rng" / f"rank{_rank()}.pt"
+    path = Path(folder) / dcp_rng_file(_rank())
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["world_size"] == _world():
@@ -181,7 +180,7 @@ class _DcpStateIO:
     def __getattr__(self, name):
         return getattr(self._acc, name)
 
-    def save_state(self, folder: str) -> None:
+    def save_state(self, folder: str, **_) -> None:  # CheckpointManager passes DeepSpeed's kwargs to DeepSpeed only
         save_dcp(Path(folder), self._params, self._optimizer)
 
     def load_state(self, folder: str) -> None:
@@ -197,7 +196,7 @@ class DcpCheckpointManager(CheckpointManager):
     def required_files(self, world_size: int) -> list[str]:
         """The trainer state and each rank's RNG states (_save_rng); the DCP shards are listed
         with their sizes and hashes like every other file."""
-        return [STATE_FILE] + [f"rng/rank{i}.pt" for i in range(world_size)]
+        return dcp_required_files(world_size)
 
     def load(self, path: Path) -> dict:
         """Collective: like CheckpointManager.load, but any world size (DCP reshards)."""

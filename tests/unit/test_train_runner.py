@@ -179,8 +179,10 @@ def test_latest_skips_unpublished_and_incomplete(tmp_path):
     root = tmp_path / "checkpoints"
     for name, complete in (("step-00000002", True), (".tmp-step-00000004", True), ("step-00000006", False)):
         (root / name).mkdir(parents=True)
-        if complete:
-            (root / name / STATE_FILE).write_text("{}")
+        if complete:  # every file of a one-process Accelerate checkpoint, each loadable as data
+            (root / name / STATE_FILE).write_text('{"world_size": 1}')
+            torch.save({"torch_manual_seed": torch.get_rng_state()}, root / name / "random_states_0.pkl")
+            torch.save({"w": torch.ones(2)}, root / name / "pytorch_model.bin")
     (root / "latest").write_text("step-00000006\n")  # pointer to a folder without its state file
     manager = CheckpointManager(root, accelerator=None)
     assert manager.latest() == root / "step-00000002"
@@ -329,24 +331,25 @@ def test_manifest_names_damage_and_falls_back(tmp_path, capsys):
         folder = root / f"step-{step:08d}"
         folder.mkdir(parents=True)
         (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
-        (folder / "random_states_0.pkl").write_bytes(bytes(range(200)))
+        torch.save({"torch_manual_seed": torch.get_rng_state()}, folder / "random_states_0.pkl")
         (folder / "pytorch_model").mkdir()
-        (folder / "pytorch_model" / "mp_rank_00_model_states.pt").write_bytes(b"w" * 1000)
+        torch.save({"module": {"w": torch.ones(250)}}, folder / "pytorch_model" / "mp_rank_00_model_states.pt")
         write_manifest(folder, step=step, accelerator=None)
     (root / "latest").write_text("step-00000002\n")
     manager = CheckpointManager(root, accelerator=None)
     assert resolve_resume("latest", manager) == root / "step-00000002"
     rng = root / "step-00000002" / "random_states_0.pkl"
+    size = rng.stat().st_size
     rng.write_bytes(rng.read_bytes()[:50])  # truncated RNG states: Accelerate alone would skip them silently
     capsys.readouterr()
     assert resolve_resume("latest", manager) == root / "step-00000001"
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2
-    assert "step-00000002 is damaged: random_states_0.pkl is 50 bytes, the manifest says 200" in err[0]
+    assert f"step-00000002 is damaged: random_states_0.pkl is 50 bytes, the manifest says {size}" in err[0]
     assert "resuming from step-00000001" in err[1]
     with pytest.raises(MemkitError, match=r"random_states_0.pkl is 50 bytes"):
         resolve_resume(str(root / "step-00000002"), manager)
     same_size = root / "step-00000001" / "pytorch_model" / "mp_rank_00_model_states.pt"
-    same_size.write_bytes(b"x" * 1000)  # same size, other bytes: the SHA-256 catches it
+    same_size.write_bytes(b"x" * same_size.stat().st_size)  # same size, other bytes: the SHA-256 catches it
     with pytest.raises(MemkitError, match=r"every checkpoint .* is damaged"):
         resolve_resume("latest", manager)
