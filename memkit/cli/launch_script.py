@@ -98,9 +98,6 @@ def run(args: argparse.Namespace) -> int:
         finetune_args = ["--plan", str(Path(args.plan).resolve()), *finetune_args]
     if args.slurm and "--resume" not in finetune_args:  # a requeued job continues from its checkpoint
         finetune_args.append("--resume")
-    if args.signal_lead < 1:
-        raise MemkitError(f"--signal-lead {args.signal_lead}: give the seconds before the time limit (>= 1), "
-                          f"e.g. {DEFAULT_SIGNAL_LEAD_S}")
     if args.cpus_per_node is not None and (args.cpus_per_node < per_node or not args.slurm):
         raise MemkitError(f"--cpus-per-node {args.cpus_per_node}: give it with --slurm, at least one CPU per "
                           f"process ({per_node})")

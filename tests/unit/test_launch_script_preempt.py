@@ -87,8 +87,8 @@ def test_slurm_script_requests_the_warning_and_requeue(tmp_path, capsys):
     capsys.readouterr()
     assert main(["launch-script", "--plan", str(tmp_path / "bundle" / "plan.json"), "--slurm", "--out",
                  str(tmp_path / "x.sh"), "--signal-lead", "0"]) == 2
-    assert capsys.readouterr().err.strip() == ("memkit: error: --signal-lead 0: give the seconds before the time "
-                                              "limit (>= 1), e.g. 660")
+    assert capsys.readouterr().err.strip() == ("memkit: error: --signal-lead 0 must be a positive integer (seconds "
+                                              "before the time limit, at most 10,000,000)")
     assert not (tmp_path / "x.sh").exists()
 
 
