@@ -174,3 +174,16 @@ def test_ten_trials_at_random_steps(setup, tmp_path, sig):
     for trial in range(10):
         step = rng.randint(1, 7)
         _trial(setup, tmp_path / f"t{trial}", step=step, sig=sig, via_train=trial % 3 == 0)
+
+
+def test_time_cadence_checkpoints_without_a_signal(setup, tmp_path):
+    """--save-every-minutes: rank 0's clock decides, every rank saves at that step (the all-reduce)."""
+    common, config, _ = setup
+    run_dir = tmp_path / "timed"
+    proc = _start(config, [*common, "--output-dir", str(run_dir), "--save-every-minutes", "0.00001",
+                           "--keep-checkpoints", "20", "--max-steps", "4"], via_train=False)  # the last --max-steps wins
+    out = _wait(proc)
+    assert proc.returncode == 0, out[-4000:]
+    ckpts = events(read_log(run_dir), "checkpoint")
+    assert [(c["step"], c["reason"]) for c in ckpts] == [(s, "save-every-minutes") for s in (1, 2, 3)]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (1, 2, 3)]
