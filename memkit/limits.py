@@ -42,6 +42,9 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "max_steps": (1, 10**9, "optimizer steps"),
     "warmup_steps": (0, 10**9, "optimizer steps"),
     "save_every": (0, 10**9, "optimizer steps (0 = only on a signal)"),
+    "save_every_minutes": (0.0, 10**7, "minutes (0 = never by time)"),
+    "preempt_grace": (0.1, 86_400.0, "seconds repeats of a stop signal are ignored"),
+    "signal_lead": (1, 10**7, "seconds before the time limit"),
     "keep_checkpoints": (1, 10_000, "checkpoints kept"),
     "seed": (0, 2**32 - 1, "random seed"),  # numpy/torch generators take 32-bit seeds portably
     "timeout_s": (1, 10**7, "seconds"),

@@ -95,6 +95,25 @@ def _render_check(doc: dict, check: dict) -> str:
                                                             right={1, 2, 3}) + verdict
 
 
+def pin_words(req: dict) -> list[str]:
+    """The pins of plan.json's request as the user typed them (memkit.planner.space.pins; --lora-rank
+    is the workload, shown in the LoRA line)."""
+    from memkit.planner.space import PIN_FLAGS
+
+    words = [f"{PIN_FLAGS[k]} {req[k]}" for k in PIN_FLAGS if req.get(k) is not None]
+    if req.get("attention", "sdpa") != "sdpa":
+        words.append(f"--attention {req['attention']}")
+    if req.get("optimizer_in_backward"):
+        words.append("--optimizer-in-backward")
+    if req.get("allow_offload") is False:
+        words.append("--no-offload")
+    if req.get("max_micro_batch") is not None:
+        words.append(f"--max-micro-batch {req['max_micro_batch']}")
+    if req.get("allow"):
+        words.append(f"--allow {','.join(req['allow'])}")
+    return words
+
+
 def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     """The terminal view of a plan document (suggest's output; explain's too)."""
     plan, est, speed, hw = doc["plan"], doc["estimate"], doc["step_time"], doc["hardware"]
@@ -112,6 +131,9 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         lines.append(f"searched {search['num_structures']} plan shapes with {search['num_memory_estimates']} "
                      f"memory estimates{took}")
     lines += ["", f"Chosen plan: {doc.get('label', '')}"]
+    pinned = pin_words(req)
+    if pinned:
+        lines.append(f"  pins (all honoured): {', '.join(pinned)}")
     if doc.get("split_reason"):
         lines.append(f"  split: {doc['split_reason']}")
     if doc.get("split_limits"):

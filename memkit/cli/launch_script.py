@@ -27,10 +27,14 @@ import stat
 import sys
 from pathlib import Path
 
+from memkit.cli.supervise import TORCHELASTIC_SIGNALS
 from memkit.errors import MemkitError
 
 HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
 DEFAULT_PORT = 29500
+DEFAULT_SIGNAL_LEAD_S = 660
+"""--signal-lead: the time-limit warning comes this long before Slurm's SIGTERM + KillWait (30 s
+default): 600 s of TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the save plus a minute for the step in flight."""
 SHUTDOWN_LINE = ("# On SIGTERM torchrun gives workers this long to write their checkpoint before SIGKILL\n"
                  "# (torch/distributed/launcher/api.py; its default is 30 s).\n"
                  'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"')
@@ -52,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-node", type=int,
                    help="--slurm: CPUs for each node's launcher and its ranks (default: all of the node's, "
                         "$SLURM_CPUS_ON_NODE of the exclusive allocation)")
+    p.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S, metavar="SECONDS",
+                   help=f"--slurm: SIGUSR1 this long before the time limit (checkpoint, exit, requeue; default "
+                        f"{DEFAULT_SIGNAL_LEAD_S})")
     p.add_argument("finetune_args", nargs=argparse.REMAINDER,
                    help="after --: arguments for launch/finetune.py (--data, --output-dir, ...)")
 
@@ -89,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         finetune_args = finetune_args[1:]
     if "--plan" not in finetune_args:
         finetune_args = ["--plan", str(Path(args.plan).resolve()), *finetune_args]
+    if args.slurm and "--resume" not in finetune_args:  # a requeued job continues from its checkpoint
+        finetune_args.append("--resume")
     if args.cpus_per_node is not None and (args.cpus_per_node < per_node or not args.slurm):
         raise MemkitError(f"--cpus-per-node {args.cpus_per_node}: give it with --slurm, at least one CPU per "
                           f"process ({per_node})")
@@ -97,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
                 port=args.port, python=args.python, entry=entry, finetune_args=finetune_args,
                 ds_config=str(ds_path) if ds_path is not None else None)
-    text = (slurm_script(**body, cpus_per_node=args.cpus_per_node) if args.slurm
+    text = (slurm_script(**body, cpus_per_node=args.cpus_per_node, signal_lead_s=args.signal_lead) if args.slurm
             else hostfile_script(hosts=hosts, **body))
     from memkit.fileio import temp_beside
 
@@ -161,7 +170,14 @@ def _args_array(finetune_args: list[str]) -> str:
 
 def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, python: str,
                  entry: list[str], finetune_args: list[str], ds_config: str | None = None,
-                 cpus_per_node: int | None = None) -> str:
+                 cpus_per_node: int | None = None, signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S) -> str:
+    """The sbatch script. Stops (memkit.train.loop.StopFlag): scancel / preemption SIGTERM every
+    process of the job at once (the ranks ignore the repeats and save once); SIGUSR1 comes
+    signal_lead_s before the time limit to the batch shell only (`B:`, sbatch man page, --signal),
+    which relays it to the job's steps (`scancel --signal=USR1`: without --batch/--full, the steps
+    only) and, once they have checkpointed and exited, requeues the job (`scontrol requeue`;
+    `--requeue` lets Slurm requeue it after a preemption or node failure too). The run resumes from
+    its newest checkpoint on every start (`--resume`; none yet: step 0)."""
     inner = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
                          rank='"$SLURM_NODEID"', addr='"$MEMKIT_MASTER_ADDR"', port='"$MEMKIT_MASTER_PORT"',
                          entry=entry, ds_config=ds_config, args_expr='"$@"')
@@ -177,17 +193,40 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         *([f"#SBATCH --cpus-per-task={cpus_per_node}"] if cpus_per_node else []),
         f"#SBATCH --gpus-per-node={per_node}",
         "#SBATCH --exclusive",
-        "# SIGTERM reaches every launcher (srun forwards it); finetune checkpoints and exits.",
-        "#SBATCH --signal=TERM@660",
+        "# SIGUSR1 to this shell before the time limit: the ranks checkpoint and exit, the job requeues.",
+        f"#SBATCH --signal=B:USR1@{signal_lead_s}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         "# Written by `memkit launch-script --slurm`. One accelerate launcher per node.",
         "set -euo pipefail",
         f"cd {shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
         'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MEMKIT_MASTER_PORT={port}",
+        # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.cli.supervise.launcher_env).
+        f'export TORCHELASTIC_SIGNALS_TO_HANDLE="${{TORCHELASTIC_SIGNALS_TO_HANDLE:-{TORCHELASTIC_SIGNALS}}}"',
         _args_array(finetune_args),
+        "REQUEUE=0",
+        "on_usr1() {",
+        '  REQUEUE=1',
+        '  echo "memkit: SIGUSR1 (time limit near): the ranks checkpoint and exit; then requeue" >&2',
+        '  scancel --signal=USR1 "$SLURM_JOB_ID"',
+        "}",
+        "trap on_usr1 USR1",
+        "trap 'echo \"memkit: SIGTERM: the ranks checkpoint and exit\" >&2' TERM  # the shell waits for them",
         f"srun --kill-on-bad-exit=1 --ntasks={num_machines} --ntasks-per-node=1 --cpus-per-task={cpus} "
-        f"bash -c {shlex.quote(inner)} memkit-node \"${{ARGS[@]}}\"",
+        f"bash -c {shlex.quote(inner)} memkit-node \"${{ARGS[@]}}\" &",
+        "SRUN=$!",
+        "status=0",
+        '# `wait` returns early when a trapped signal arrives; wait again until srun has exited.',
+        'while kill -0 "$SRUN" 2>/dev/null; do wait "$SRUN" && status=0 || status=$?; done',
+        'wait "$SRUN" && status=0 || status=$?',
+        'if [[ "$REQUEUE" == 1 ]]; then',
+        '  echo "memkit: requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$status"',
         "",
     ])
 

@@ -41,11 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pins.add_argument("--loss", choices=LOSSES,
                       help="default: standard, or chunked when the logits keep a plan from fitting")
     pins.add_argument("--quantize-base", choices=QUANTIZE_BASES,
-                      help="with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: nf4 "
-                           "only when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster")
+                      help="with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit "
+                           "base (with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and "
+                           "QLoRA is faster)")
     pins.add_argument("--no-double-quant", action="store_true",
                       help="with a 4-bit base: keep the block scales in fp32 (default: double quantisation)")
     pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
+    pins.add_argument("--allow", default="", metavar="TECHNIQUE,...",
+                      help="model-changing techniques memkit may choose unpinned: qlora (a 4-bit base under "
+                           "--lora-rank), 8bit-optimizer (8-bit AdamW); default: none. Every pin is honoured "
+                           "or the request fails naming it")
     add_backward_args(pins, for_search=True)  # memkit/backward_techniques.py, planner/backward.py
     pins.add_argument("--max-micro-batch", type=int)
     pins.add_argument("--tp", default=None,
@@ -89,6 +94,11 @@ def parse_headroom(text: str) -> float:
     return fraction
 
 
+def parse_allow(text: str) -> tuple[str, ...]:
+    """--allow a,b: the names in order, once each (Request.validate checks them)."""
+    return tuple(dict.fromkeys(t.strip() for t in str(text).split(",") if t.strip()))
+
+
 def parse_degree(text: str | None, flag: str) -> int | None:
     if text is None or str(text).lower() == "auto":
         return None
@@ -117,7 +127,7 @@ def request_from_args(args: argparse.Namespace):
         offload_activations=args.offload_activations, optimizer_in_backward=bool(args.optimizer_in_backward),
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
-        pp=parse_degree(args.pp, "--pp"),
+        pp=parse_degree(args.pp, "--pp"), allow=parse_allow(args.allow),
         split="auto").validate()
 
 

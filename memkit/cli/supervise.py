@@ -8,7 +8,16 @@ in its own session (torch/distributed/elastic/multiprocessing/subprocess_handler
 subprocess_handler.py, start_new_session=True), so killpg alone never reaches them. The process
 tree is therefore snapshotted from /proc before anything is signalled, and whatever of it is
 still alive after the grace period (or orphaned by a launcher that died first) is signalled by
-PID. memkit then exits 128 + signal number (143 for SIGTERM, 130 for SIGINT) itself.
+PID. memkit then exits 128 + signal number (143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1)
+itself.
+
+A scheduler signals every process at once (Slurm's scancel, a pod kill), so memkit may get the
+same signal twice (from the scheduler and from whoever started it); a repeat within the grace
+period is ignored, as the ranks ignore theirs (memkit.train.loop.StopFlag), and only one later
+than that stops the tree now. SIGUSR1 (checkpoint-and-exit) reaches the ranks only if the
+launcher relays it instead of dying of it (SIGUSR1's default action): launcher_env() adds it to
+torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE (torch/distributed/elastic/multiprocessing/api.py,
+PContext.start; default SIGTERM,SIGINT,SIGHUP,SIGQUIT).
 """
 from __future__ import annotations
 
@@ -18,8 +27,23 @@ import subprocess
 import time
 from pathlib import Path
 
-EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
+EXIT_SIGNAL = {sig: 128 + int(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+"""The shell's 128 + signal number (memkit.train.loop.EXIT_SIGNAL, the ranks' own codes)."""
 POLL_S = 0.2
+TORCHELASTIC_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""torchrun's default list (torch/distributed/elastic/multiprocessing/api.py, PContext.start) + SIGUSR1."""
+SHUTDOWN_MARGIN_S = 10.0
+"""Past --preempt-grace: the launcher and memkit wait this much longer before SIGKILL."""
+
+
+def launcher_env(env: dict, *, preempt_grace_s: float) -> dict:
+    """`env` for a torchrun-based launcher: it relays SIGUSR1 too, and waits for the ranks' save
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch/distributed/launcher/api.py, LaunchConfig) at least
+    the grace plus a margin before its SIGKILL. Values the user set are kept."""
+    out = dict(env)
+    out.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHELASTIC_SIGNALS)
+    out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(preempt_grace_s + SHUTDOWN_MARGIN_S)))
+    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -73,6 +97,7 @@ class Supervisor:
     def __init__(self, cmd: list[str], *, env: dict, stdout=None, grace_s: float = 60.0) -> None:
         self.cmd, self.env, self.stdout, self.grace_s = cmd, env, stdout, grace_s
         self.signum: int | None = None
+        self.signalled_at: float | None = None
         self.proc: subprocess.Popen | None = None
 
     def run(self, *, timeout_s: float | None = None) -> tuple[str, int | None]:
@@ -98,9 +123,12 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame) -> None:
-        if self.signum is not None and self.proc is not None:  # a second signal: stop now
-            self._kill_tree(descendants(self.proc.pid))
-        self.signum = signum
+        if self.signum is not None:
+            late = time.monotonic() - self.signalled_at > self.grace_s
+            if late and self.proc is not None:  # a repeat past the grace: stop now
+                self._kill_tree(descendants(self.proc.pid))
+            return  # a repeat within the grace (the scheduler's copy of the same stop): ignored
+        self.signum, self.signalled_at = signum, time.monotonic()
 
     def stop(self, sig: int, *, grace_s: float) -> None:
         """`sig` to the launcher's group once; the ranks of a dead launcher by PID; SIGKILL the rest

@@ -18,7 +18,7 @@ import sys
 
 from memkit.cli.launching import (accelerate_config_for, child_env, launch_command, launchable_config, quote,
                                   to_argv)
-from memkit.cli.supervise import Supervisor
+from memkit.cli.supervise import SHUTDOWN_MARGIN_S, Supervisor, launcher_env
 
 HELP = "fine-tune under a plan: accelerate launch -m memkit.finetune with the plan's config"
 
@@ -54,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
         cmd = launch_command(launched, child_args)
         print(f"memkit train: {quote(cmd)}", file=sys.stderr)
         sys.stderr.flush()
-        # SIGTERM (a scheduler's preemption) / SIGINT go to the launcher, which relays them to the ranks;
-        # they checkpoint and stop; memkit then exits 143 / 130 (memkit.cli.supervise).
-        status, code = Supervisor(cmd, env=child_env()).run()
+        # SIGTERM (a scheduler's preemption) / SIGINT / SIGUSR1 go to the launcher, which relays them to
+        # the ranks; they checkpoint and stop; memkit then exits 143 / 130 / 138 (memkit.cli.supervise).
+        grace = args.preempt_grace
+        status, code = Supervisor(cmd, env=launcher_env(child_env(), preempt_grace_s=grace),
+                                  grace_s=grace + 2 * SHUTDOWN_MARGIN_S).run()
     if status == "signal":
         print(f"memkit train: stopped by a signal (exit {code}); resume with --resume", file=sys.stderr)
     return int(code or 0)

@@ -100,6 +100,12 @@ def request_dict(request) -> dict:
             out[key] = value
     if not request.allow_offload:
         out["allow_offload"] = False
+    if request.offload_activations is not None:
+        out["offload_activations"] = request.offload_activations
+    if request.optimizer_in_backward:
+        out["optimizer_in_backward"] = True
+    if request.allow:
+        out["allow"] = list(request.allow)
     if request.lora_rank:
         out["lora_rank"] = request.lora_rank
         out["lora_targets"] = list(request.lora_targets)

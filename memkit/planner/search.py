@@ -41,8 +41,8 @@ from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, ste
 from memkit.parallel import split_name
 from memkit.planner import backward
 from memkit.plan import TrainingPlan
-from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options,
-                                  structures, tiers, with_micro)
+from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options, pins,
+                                  structures, tiers, unasked, with_micro)
 from memkit.units import GIB
 
 
@@ -355,7 +355,7 @@ def quantized_note(plan: TrainingPlan, offloaded: Candidate | None) -> str:
            else "no 16-bit-base LoRA plan fits")
     return (f"{plan.quantize_base} 4-bit base (QLoRA, bitsandbytes{', double quant' if plan.double_quant else ''}): "
             f"{why}; the frozen weights are stored in 4 bits and dequantised per matmul, which changes "
-            "their numerics (pin --quantize-base none to refuse it)")
+            "their numerics (chosen because --allow qlora; pin --quantize-base none to refuse it)")
 
 
 HEADROOM_RISK_FRACTION = 0.05
@@ -396,8 +396,13 @@ def _prefer_low_risk(request: Request, found: list[Candidate]) -> tuple[list[Can
 
 def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):
     if ev.request.objective == "memory":
-        return _search_memory(ev, structs, tier)
-    return _search_throughput(ev, structs, tier, keep=keep)
+        found, rejected = _search_memory(ev, structs, tier)
+    else:
+        found, rejected = _search_throughput(ev, structs, tier, keep=keep)
+    if any(unasked(ev.request, c.plan) for c in found):  # estimated, never chosen or offered (space.unasked)
+        allowed = [s for s in structs if not unasked(ev.request, s)]
+        found = _run(ev, allowed, tier, keep=keep)[0] if allowed else []
+    return found, rejected
 
 
 def _is_split(layout: tuple[int, int, int]) -> bool:
@@ -831,13 +836,14 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
             what += f"; it needs {' and '.join(best.needs)}"
     elif rejected:
         what += f"; e.g. {rejected[0].label}: {rejected[0].reason}"
-    else:  # not one plan shape was left to estimate: say why instead of an empty table
-        pins = [f"{k}={getattr(request, k)}" for k in ("precision", "optimizer", "zero_stage", "offload_optimizer",
-                                                       "offload_params", "checkpointing", "max_micro_batch",
-                                                       "tp", "pp") if getattr(request, k) is not None]
-        what += (f"; no plan shape is possible: the pins ({', '.join(pins) or 'none'}) and global batch "
-                 f"{request.global_batch_size} over the layouts' data-parallel degrees exclude every "
-                 "layout; drop a pin or change --global-batch-size")
+    else:  # not one plan shape honours the pins: a request that cannot be met as pinned (exit 2)
+        pinned = sorted({flag for flag, _, _ in pins(request)})
+        raise MemkitError(f"no plan shape honours the pins ({', '.join(pinned) or 'none'}) with global batch "
+                          f"{request.global_batch_size} on {hw.num_gpus} x {hw.gpu.name}; drop a pin or change "
+                          "--global-batch-size")
+    pinned = sorted({flag for flag, _, _ in pins(request)})
+    if pinned:  # every plan estimated honoured them
+        what += f"; pinned: {', '.join(pinned)}"
     return NoPlanFits(what, tuple(misses))
 
 

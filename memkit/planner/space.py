@@ -37,6 +37,14 @@ SPLIT_MODES = ("if-needed", "auto")
 fits; 'auto' also when faster than the best data-parallel plan by more than the step-time
 model's uncertainty (estimate.throughput.step_time_uncertainty). Never to meet the batch arithmetic."""
 
+ALLOWS = ("qlora", "8bit-optimizer")
+"""--allow: techniques that change what is trained, which the planner tries only when pinned
+(--quantize-base nf4, --optimizer adamw-8bit) or allowed: a 4-bit base (QLoRA; frozen weights
+stored in 4 bits, memkit/quantize.py) and an 8-bit optimizer (bitsandbytes AdamW8bit, its states
+quantised blockwise: Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", Sec. 2).
+LoRA is never added: it is trained only when --lora-rank asks for it."""
+EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
+
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
 """Tried only when no AdamW plan fits (they change the training numerics); sgd only when pinned."""
@@ -76,8 +84,9 @@ class Request:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     quantize_base: str | None = None
-    """None: with LoRA, a 4-bit NF4 base is tried only when no 16-bit-base plan fits without
-    offloading (search.py, QUANTIZED_TIER); 'none' never; 'nf4'/'fp4' always (memkit/quantize.py)."""
+    """None: with LoRA and --allow qlora, a 4-bit NF4 base is tried only when no 16-bit-base plan
+    fits without offloading (search.py, QUANTIZED_TIER); without --allow qlora and with 'none'
+    never; 'nf4'/'fp4' always (memkit/quantize.py)."""
     double_quant: bool = True
     tp: int | None = None
     """Tensor-parallel degree; None lets the planner choose (see `split`) among the degrees that
@@ -88,6 +97,8 @@ class Request:
     split: str = "auto"
     """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
     'auto' (also when the step-time model says a split is clearly faster). SPLIT_MODES."""
+    allow: tuple[str, ...] = ()
+    """--allow: of ALLOWS, the model-changing techniques the planner may choose unpinned."""
 
     @property
     def budget_bytes(self) -> int:
@@ -134,6 +145,9 @@ class Request:
                 raise MemkitError(f"{flag} {value} contradicts --no-offload; drop one of them")
             if value == "nvme" and not self.nvme_path:
                 raise MemkitError(f"{flag} nvme needs --nvme-path DIR (a local NVMe mount on every node)")
+        for name in self.allow:
+            if name not in ALLOWS:
+                raise MemkitError(f"--allow {name!r} is not one of {', '.join(ALLOWS)}")
         if self.lora_rank < 0:
             raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
         if self.quantize_base is not None and self.quantize_base not in QUANTIZE_BASES:
@@ -219,10 +233,12 @@ def tiers(request: Request) -> list[Tier]:
     precs = (request.precision,) if request.precision else None
     opts = (request.optimizer,) if request.optimizer else None
     pinned_q = request.quantize_base if request.quantize_base not in (None, "none") else "none"
+
     reference = Tier("reference", precs or ref_prec, opts or REFERENCE_OPTIMIZERS, pinned_q)
     lean = Tier("memory-lean", precs or ref_prec + lean_prec, opts or REFERENCE_OPTIMIZERS + LEAN_OPTIMIZERS, pinned_q)
     out = [reference] if precs and opts else [reference, lean]
-    if request.quantize_base is None and request.lora_rank > 0:  # search.py: only if 16-bit bases need offload
+    if request.quantize_base is None and request.lora_rank > 0 and "qlora" in request.allow:
+        # search.py: only if 16-bit bases need offload
         # AdamW only: LoRA's optimizer states are too small for a lean optimizer to matter
         out.append(Tier(QUANTIZED_TIER, precs or ref_prec, opts or REFERENCE_OPTIMIZERS, "nf4"))
     return out
@@ -386,6 +402,8 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
                                 overlap_comm=overlap, **buckets, **quantized)
                             for plan in backward.variants(request, split_plan(plan)):
+                                if pin_conflict(request, plan) is not None:
+                                    continue  # pins are law: a plan differing from one is never offered
                                 try:
                                     plan.validate()
                                     if tp * pp > 1:
@@ -394,6 +412,55 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                     continue
                                 out.append(plan)
     return out
+
+
+PIN_FLAGS = {"precision": "--precision", "optimizer": "--optimizer", "zero_stage": "--zero",
+             "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
+             "checkpointing": "--checkpointing", "loss": "--loss", "quantize_base": "--quantize-base",
+             "offload_activations": "--offload-activations", "tp": "--tp", "pp": "--pp"}
+"""Request field -> the suggest flag that pins the plan field of the same name."""
+
+
+def pins(request: Request) -> list[tuple[str, str, object]]:
+    """(flag as typed, plan field, value) of every pin of `request`: the flags a user gave that fix
+    a plan field (suggest's "pins" group; --lora-rank fixes lora_rank, --max-micro-batch bounds
+    the micro-batch, --no-offload fixes both offloads to none)."""
+    out = []
+    for field_name, flag in PIN_FLAGS.items():
+        value = getattr(request, field_name)
+        if value is not None:
+            out.append((f"{flag} {value}", field_name, value))
+    if request.attention != "sdpa":
+        out.append((f"--attention {request.attention}", "attention", request.attention))
+    if request.optimizer_in_backward:
+        out.append(("--optimizer-in-backward", "optimizer_in_backward", True))
+    if not request.allow_offload:
+        out += [("--no-offload", "offload_optimizer", "none"), ("--no-offload", "offload_params", "none")]
+    if request.max_micro_batch is not None:
+        out.append((f"--max-micro-batch {request.max_micro_batch}", "micro_batch_size", request.max_micro_batch))
+    if request.lora_rank:
+        out.append((f"--lora-rank {request.lora_rank}", "lora_rank", request.lora_rank))
+    return out
+
+
+def pin_conflict(request: Request, plan: TrainingPlan) -> str | None:
+    """The first pin `plan` does not honour, as the user typed it; None: it honours all."""
+    for flag, field_name, value in pins(request):
+        got = getattr(plan, field_name)
+        if (got > value) if field_name == "micro_batch_size" else (got != value):
+            return flag
+    return None
+
+
+def unasked(request: Request, plan: TrainingPlan) -> str | None:
+    """The --allow value `plan` would need (ALLOWS): a model-changing technique neither pinned nor
+    allowed. Such a plan is estimated (its miss still explains what fits) but never chosen or
+    offered (search.py); None: nothing unasked."""
+    if plan.is_quantized and request.quantize_base is None and "qlora" not in request.allow:
+        return "qlora"
+    if plan.optimizer in EIGHT_BIT_OPTIMIZERS and request.optimizer is None and "8bit-optimizer" not in request.allow:
+        return "8bit-optimizer"
+    return None
 
 
 QUANTIZED_TIER = "quantized-base"

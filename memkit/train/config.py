@@ -20,6 +20,14 @@ LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "none")
 
 
+DEFAULT_PREEMPT_GRACE_S = 25.0
+"""--preempt-grace: under Slurm's default KillWait of 30 s (slurm.conf man page, KillWait: the
+seconds between SIGTERM and SIGKILL at a job's end) and torchrun's 30 s shutdown timeout
+(torch/distributed/launcher/api.py, LaunchConfig: TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
+DEFAULT_SAVE_EVERY_MINUTES = 30.0
+"""--save-every-minutes: an unannounced kill (SIGKILL, a node lost) costs at most this much work."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
     """Everything about a run that is not a memory knob."""
@@ -44,7 +52,11 @@ class RunConfig:
     seed: int = 0
     shuffle: bool = True
     save_every: int = 0
-    """Checkpoint every N optimizer steps (0: only on a signal)."""
+    """Checkpoint every N optimizer steps (0: only on a signal or by time)."""
+    save_every_minutes: float = DEFAULT_SAVE_EVERY_MINUTES
+    """Also checkpoint when this many minutes have passed since the last one (0: never by time)."""
+    preempt_grace_s: float = DEFAULT_PREEMPT_GRACE_S
+    """After a stop signal: repeats are ignored this long (memkit.train.loop.StopFlag)."""
     keep_checkpoints: int = 2
     resume: str | None = None
     """None, 'latest' (newest complete checkpoint under output_dir/checkpoints) or a path."""
@@ -58,6 +70,8 @@ class RunConfig:
     """Testing aid: after this step rank 0 sends SIGTERM to the launcher (its parent process), which
     forwards it to every rank, as a scheduler's preemption does."""
     debug_crash_in_save_at_step: int | None = None
+    debug_signal_in_save_at_step: int | None = None
+    """Testing aid: rank 0 sends SIGTERM to the launcher and every rank as the checkpoint of this step starts."""
     debug_offload_copy_on_cpu: bool = False
     """Tests: --offload-activations copies saved tensors even on CPU (train/backward_techniques.py)."""
     """Testing aid: every rank dies (os._exit) mid-checkpoint at this step, before it is published."""
@@ -83,6 +97,10 @@ class RunConfig:
             raise MemkitError(f"--lr-decay {self.lr_decay!r} is not one of {', '.join(LR_DECAYS)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise MemkitError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
+        if not self.save_every_minutes >= 0:
+            raise MemkitError(f"--save-every-minutes {self.save_every_minutes:g} must be >= 0 (0: never by time)")
+        if not self.preempt_grace_s > 0:
+            raise MemkitError(f"--preempt-grace {self.preempt_grace_s:g} must be > 0 seconds")
         if self.keep_checkpoints < 1:
             raise MemkitError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 1")
         if self.num_epochs is not None and not self.num_epochs > 0:

@@ -40,10 +40,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memkit.cli.supervise import EXIT_SIGNAL, descendants
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, CheckpointWriteError, resolve_resume, save_final_model
-from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
+from memkit.train.config import (DEFAULT_PREEMPT_GRACE_S, RunConfig, fill_deepspeed_autos, lr_at,
+                                 resolve_plan)
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 from memkit.train import split_checkpoint
@@ -52,7 +54,10 @@ from memkit.train.backward_techniques import activation_context
 from memkit.train.techniques import micro_loss_sum
 
 EXIT_OOM = 3
-EXIT_SIGNAL = {signal.SIGTERM: 143, signal.SIGINT: 130}
+STOP_SIGNALS = tuple(EXIT_SIGNAL)
+"""SIGTERM, SIGINT, SIGUSR1; exit codes 143, 130, 138. SIGUSR1 is checkpoint-and-exit:
+`#SBATCH --signal=B:USR1@T` warns T seconds before the time limit, the job checkpoints, exits
+and requeues itself (memkit.cli.launch_script.slurm_script)."""
 
 
 class OutOfMemory(Exception):
@@ -151,25 +156,68 @@ def build_optimizer(params, plan: TrainingPlan, run: RunConfig, *, cpu_offload: 
 
 
 class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints at the next step boundary and exits.
-    A second signal gets the default behaviour (kill now)."""
+    """SIGTERM / SIGINT / SIGUSR1 set a flag; the ranks agree at the next step boundary to write
+    one checkpoint and exit (EXIT_SIGNAL: 143 / 130 / 138).
 
-    def __init__(self) -> None:
+    Idempotent: a scheduler signals every process at once (Slurm's scancel and preemption, a
+    Kubernetes pod kill) and the launcher relays the signal it got to each rank again (torchrun:
+    torch/distributed/elastic/agent/server/api.py, SimpleElasticAgent.run -> _shutdown(e.sigval)
+    -> torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._close sends it to every
+    worker, waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default, then SIGKILL; a second signal to
+    the launcher raises SignalException inside that wait and its `finally` calls _shutdown
+    again, a third copy). So every repeat only re-sets the flag, through the save and the exit.
+    A repeat more than `grace_s` after the first (a save that hangs past --preempt-grace) gets
+    the default action: the process dies now; the last published checkpoint stays whole
+    (memkit.train.checkpoint publishes by rename)."""
+
+    SIGNALS = STOP_SIGNALS
+
+    def __init__(self, grace_s: float = DEFAULT_PREEMPT_GRACE_S) -> None:
         self.signum: int | None = None
+        self.first_at: float | None = None
+        self.grace_s = grace_s
+        self.received: set[int] = set()
         self._old = {}
 
     def install(self) -> "StopFlag":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        global _ACTIVE
+        for sig in self.SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
+        _ACTIVE = self
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.first_at = signum, now
+        elif now - self.first_at > self.grace_s:  # past the grace: die as the default action would
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.received.add(signum)
+
+    def flags(self) -> list[float]:
+        """One 0/1 per signal of SIGNALS, for the step-boundary all-reduce."""
+        return [1.0 if sig in self.received else 0.0 for sig in self.SIGNALS]
 
     def restore(self) -> None:
+        global _ACTIVE
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+
+_ACTIVE: StopFlag | None = None
+"""The installed StopFlag: memkit.train.main installs it before anything slow, so a signal during
+setup is kept too and acted on at the first step boundary."""
+
+
+def stop_flag(grace_s: float) -> StopFlag:
+    """The installed StopFlag (with this grace), or a newly installed one."""
+    if _ACTIVE is not None:
+        _ACTIVE.grace_s = grace_s
+        return _ACTIVE
+    return StopFlag(grace_s).install()
 
 
 def _loss_scale(accelerator, optimizer, engine) -> float | None:
@@ -443,7 +491,9 @@ def _steps(st: _Run) -> None:
     run, plan, data, accelerator = st.run, st.plan, st.data, st.accelerator
     rank, dp, data_rank, device = accelerator.process_index, plan.dp, st.layout.dp_rank, accelerator.device
     is_ds = st.engine is not None
-    stop = StopFlag().install()
+    stop = stop_flag(run.preempt_grace_s)
+    last_save_at = time.monotonic()  # the time cadence counts from the start (or the resume)
+    slow_warned = False
     progress = None
     if st.main and run.progress:
         from tqdm.auto import tqdm
@@ -482,16 +532,21 @@ def _steps(st: _Run) -> None:
                 skipped = not st.engine.was_step_applied()
             elif st.pipe is None:
                 skipped = bool(accelerator.optimizer_step_was_skipped)
-            # One collective per step: the window's loss sum and "does any rank want to stop".
             if run.debug_signal_at_step == st.step + 1 and rank == 0:
                 # As a scheduler would: SIGTERM to the launcher, which forwards it to every rank.
                 launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
                 os.kill(os.getppid() if launched else os.getpid(), signal.SIGTERM)
-            stats = torch.tensor([float(local_loss), 1.0 if stop.signum else 0.0], dtype=torch.float64,
-                                 device=device)
+            # One collective per step: the window's loss sum, which stop signals any rank has had,
+            # and rank 0's "the time cadence is due". The flags are 0/1, so their sum is > 0 exactly
+            # when their max is 1: every rank reads the same answer and they all save at this step.
+            timed = rank == 0 and run.save_every_minutes > 0 and \
+                time.monotonic() - last_save_at >= run.save_every_minutes * 60
+            stats = torch.tensor([float(local_loss), *stop.flags(), 1.0 if timed else 0.0],
+                                 dtype=torch.float64, device=device)
             if st.world > 1:
                 torch.distributed.all_reduce(stats)
             stats = stats.cpu()
+            stop_by = next((sig for sig, n in zip(StopFlag.SIGNALS, stats[1:-1].tolist()) if n > 0), None)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_time = time.perf_counter() - t0
@@ -511,24 +566,43 @@ def _steps(st: _Run) -> None:
                       "mfu": mfu(tokens_per_s, st.flops_per_token, st.peak_tflops), **mem.to_dict()}
             st.log.write(record)
             _board_step(st.board, record)
-            want_stop = float(stats[1]) > 0
+            want_stop = stop_by is not None
             if not want_stop and run.eval_every and st.step % run.eval_every == 0:
                 _evaluate(st)
             if progress is not None:
                 progress.set_postfix(_postfix(record, mem, st), refresh=False)
                 progress.update(1)
-            periodic = run.save_every and st.step % run.save_every == 0 and st.step < run.max_steps
+            periodic = (run.save_every and st.step % run.save_every == 0
+                        or float(stats[-1]) > 0) and st.step < run.max_steps
+            if want_stop and st.main:
+                print(f"memkit: {signal.Signals(stop_by).name}: checkpoint at step {st.step}, then exit "
+                      f"{EXIT_SIGNAL[stop_by]}; repeated signals are ignored for {run.preempt_grace_s:g} s "
+                      "(--preempt-grace)", file=sys.stderr)
             if periodic or want_stop:
                 crash = run.debug_crash_in_save_at_step == st.step
+                t_save = time.monotonic()
+                if run.debug_signal_in_save_at_step == st.step and rank == 0:
+                    _signal_launcher_and_ranks(signal.SIGTERM)  # lands while the save below runs
                 path = _save_checkpoint(st, crash_before_publish=crash)
-                st.log.write({"event": "checkpoint", "step": st.step, "path": str(path)})
+                last_save_at = time.monotonic()
+                save_s = last_save_at - t_save
+                st.log.write({"event": "checkpoint", "step": st.step, "path": str(path), "save_s": round(save_s, 3),
+                              "reason": signal.Signals(stop_by).name if want_stop else
+                              "save-every" if run.save_every and st.step % run.save_every == 0 else "save-every-minutes"})
+                if st.main and not slow_warned and step_time + save_s > run.preempt_grace_s:
+                    slow_warned = True  # a stop waits for the step in flight, then saves
+                    print(f"memkit: warning: a step ({step_time:.1f} s) plus a checkpoint ({save_s:.1f} s) take "
+                          f"longer than --preempt-grace {run.preempt_grace_s:g} s: a scheduler's SIGKILL may come "
+                          "before a signal's checkpoint is written; raise the scheduler's grace (Slurm KillWait, "
+                          "--signal lead time) and --preempt-grace", file=sys.stderr)
             if want_stop:
-                st.interrupted_by = stop.signum or signal.SIGTERM
+                st.interrupted_by = stop_by
                 break
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(f"step {st.step + 1}", str(exc).splitlines()[0]) from None
     finally:
-        stop.restore()
+        if st.interrupted_by is None:
+            stop.restore()  # a stopping run keeps ignoring repeats through _finish and the exit
         if progress is not None:
             progress.close()
 
@@ -548,6 +622,15 @@ def _save_checkpoint(st: _Run, *, crash_before_publish: bool) -> Path:
             st.log.write({"event": "checkpoint_failed", "step": st.step, "error": str(exc)})
         sys.stderr.flush()
         os._exit(exc.exit_code)
+
+
+def _signal_launcher_and_ranks(sig: int) -> None:
+    """Testing aid: `sig` to the launcher and to every rank at once, as Slurm's scancel or a
+    Kubernetes pod kill does (the ranks are the launcher's children)."""
+    launcher = os.getppid()
+    for pid in [launcher, *descendants(launcher)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _postfix(record: dict, mem, st: _Run) -> dict:
@@ -709,7 +792,7 @@ def _finish(st: _Run) -> dict:
     st.model = st.optimizer = st.engine = st.pipe = None
     accelerator.free_memory()
     if st.interrupted_by is not None:
-        report["exit_code"] = EXIT_SIGNAL.get(st.interrupted_by, 143)
+        report["exit_code"] = EXIT_SIGNAL[st.interrupted_by]
     return report
 
 

@@ -5,7 +5,8 @@ under `accelerate launch`:
         --plan runs/x/plan.json --data train.jsonl --output-dir out/ --max-steps 200
 
 Exit codes: 0 done; 2 bad input (one line on stderr); 3 out of memory (reported, see
-report.json); 130/143 stopped by SIGINT/SIGTERM after writing a checkpoint.
+report.json); 143/130/138 stopped by SIGTERM/SIGINT/SIGUSR1 after writing a checkpoint
+(memkit.train.loop.StopFlag: every rank agrees on the step; repeats are ignored).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from memkit.quantize import QUANTIZE_BASES
 from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
-from memkit.train.config import RunConfig
+from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, RunConfig
 
 HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch)"
 
@@ -77,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c = p.add_argument_group("checkpoints and measurement")
     c.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on "
                                                               "SIGTERM/SIGINT)")
+    c.add_argument("--save-every-minutes", type=float, default=DEFAULT_SAVE_EVERY_MINUTES,
+                   help=f"also checkpoint when this many minutes passed since the last one (default "
+                        f"{DEFAULT_SAVE_EVERY_MINUTES:g}: an unannounced kill loses at most that; 0: never by time)")
+    c.add_argument("--preempt-grace", type=float, default=DEFAULT_PREEMPT_GRACE_S, metavar="SECONDS",
+                   help=f"after SIGTERM/SIGINT/SIGUSR1 every rank checkpoints at the next step boundary and "
+                        f"exits; repeats of the signal are ignored this long (default {DEFAULT_PREEMPT_GRACE_S:g}, "
+                        "under Slurm's 30 s KillWait); SIGUSR1 is checkpoint-and-exit")
     c.add_argument("--keep-checkpoints", type=int, default=2)
     c.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the newest checkpoint in --output-dir, or from PATH")
@@ -99,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     d.add_argument("--eval-every", type=int, default=0, help="eval loss every N steps (default: at the end)")
     c.add_argument("--debug-signal-at-step", type=int, help=argparse.SUPPRESS)
     c.add_argument("--debug-crash-in-save-at-step", type=int, help=argparse.SUPPRESS)
+    c.add_argument("--debug-signal-in-save-at-step", type=int, help=argparse.SUPPRESS)
     c.add_argument("--debug-offload-copy-on-cpu", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -196,11 +205,13 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
         lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
         lr_decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         seed=args.seed, shuffle=not args.no_shuffle, save_every=args.save_every,
+        save_every_minutes=args.save_every_minutes, preempt_grace_s=args.preempt_grace,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save_final,
         measure=args.measure, progress=not args.no_progress, dist_timeout_s=args.dist_timeout_s,
         report_json=Path(args.report_json) if args.report_json else None,
         debug_signal_at_step=args.debug_signal_at_step,
         debug_crash_in_save_at_step=args.debug_crash_in_save_at_step,
+        debug_signal_in_save_at_step=args.debug_signal_in_save_at_step,
         debug_offload_copy_on_cpu=args.debug_offload_copy_on_cpu,
         debug_oom_at_step=_env_int("MEMKIT_DEBUG_OOM_AT_STEP")).validate()
     if flags["seq_len"] is None and plan is None:
@@ -239,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
     warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR2"):  # `kill -USR2 PID` prints every thread's stack (hang diagnosis)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+    from memkit.train.loop import StopFlag
+
+    # Before anything slow: a stop signal during setup is kept and acted on at the first step boundary.
+    StopFlag(args.preempt_grace if args.preempt_grace > 0 else DEFAULT_PREEMPT_GRACE_S).install()
     try:
         check_args(args)  # ranges, paths, data, --resume: one line before any process group
         prepared = prepare(args)

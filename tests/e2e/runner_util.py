@@ -96,7 +96,7 @@ def launch(config_file: Path, args: list[str], *, timeout_s: int = 900, extra_la
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGUSR1)  # finetune dumps its threads' stacks (faulthandler)
+        os.killpg(proc.pid, signal.SIGUSR2)  # finetune dumps its threads' stacks (faulthandler)
         try:
             proc.wait(timeout=3)
         except subprocess.TimeoutExpired:

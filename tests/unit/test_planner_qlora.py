@@ -1,6 +1,7 @@
-"""The planner's QLoRA rule (planner/search.py _quantized_instead, memkit/quantize.py): for an
-unpinned LoRA request a 4-bit NF4 base is chosen only when the fastest 16-bit-base plan that fits
-offloads and the 4-bit plan is priced faster; pinnable both ways; never for full fine-tuning."""
+"""The planner's QLoRA rule (planner/search.py _quantized_instead, memkit/quantize.py): for a
+LoRA request with --allow qlora (#28: a 4-bit base changes what is trained, so never unasked) a
+4-bit NF4 base is chosen only when the fastest 16-bit-base plan that fits offloads and the 4-bit
+plan is priced faster; pinnable both ways; never for full fine-tuning."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,10 @@ def _offloads(plan) -> bool:
 def test_qlora_replaces_an_offloaded_16bit_base_plan_and_says_why():
     refused = search(request(quantize_base="none")).chosen
     assert _offloads(refused.plan) and not refused.plan.is_quantized
-    result = search(request())
+    unasked = search(request())  # without --allow qlora: the same 16-bit-base plan
+    assert unasked.chosen.plan == refused.plan
+    assert not any(a.plan.is_quantized for a in unasked.alternatives)
+    result = search(request(allow=("qlora",)))
     plan = result.chosen.plan
     assert (plan.quantize_base, plan.double_quant, plan.engine, plan.zero_stage) == ("nf4", True, "torch", 0)
     assert plan.optimizer == "adamw" and not _offloads(plan)
@@ -36,7 +40,7 @@ def test_qlora_replaces_an_offloaded_16bit_base_plan_and_says_why():
 
 
 def test_no_qlora_when_a_16bit_base_plan_fits_on_the_gpu():
-    plan = search(request("llama-3.1-8b")).chosen.plan
+    plan = search(request("llama-3.1-8b", allow=("qlora",))).chosen.plan
     assert not plan.is_quantized and not _offloads(plan)
 
 

@@ -72,3 +72,43 @@ def test_signal_reaches_every_rank_and_exit_code(tmp_path, sig, code, stuck):
     else:
         assert (tmp_path / "stopped.1").exists()
     assert not any(_alive(pid) for pid in pids)
+
+
+SAVING_RANK = """
+import os, signal, sys, time, pathlib
+out = pathlib.Path(sys.argv[1]); rank = os.environ["RANK"]
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # idempotent, as memkit.train.loop.StopFlag
+(out / f"ready.{rank}").write_text(str(os.getpid()))
+while not got:
+    time.sleep(0.05)
+time.sleep(2.0)  # "the checkpoint": repeats arriving meanwhile must not get it killed
+(out / f"stopped.{rank}").write_text(str(len(got)))
+sys.exit(143)
+"""
+
+
+def test_a_repeated_signal_within_the_grace_is_ignored(tmp_path):
+    """Slurm's scancel signals memkit and its parent at once: memkit may get SIGTERM twice. The
+    repeat within the grace does not SIGKILL the ranks mid-save (#28)."""
+    (tmp_path / "rank.py").write_text(SAVING_RANK)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+                str(tmp_path / "rank.py"), str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, "30", *torchrun], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and driver.poll() is None, "ranks did not start"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        driver.send_signal(signal.SIGTERM)  # the repeat
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 143 and out.split() == ["signal", "143"]
+    assert all((tmp_path / f"stopped.{r}").exists() for r in (0, 1))  # both finished their "save"
