@@ -98,16 +98,26 @@ class WorkerErrors:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memkit.train.main import add_arguments as finetune_arguments
-    from memkit.train.main import prepare
+    check(args)
+    return launch(args)
 
-    from memkit.validate import check_run
 
+def check(args: argparse.Namespace) -> None:
+    """Everything `run` checks before a process starts; MemkitError (one line, exit 2) on the first
+    bad value (`memkit run` calls it before it writes the bundle)."""
     from memkit.cli.launching import plan_path
+    from memkit.train.main import prepare
+    from memkit.validate import check_run
 
     args.plan = plan_path(args.plan)
     check_run(args)  # flags vs plan.json, the model's shape: before any process starts
     prepare(args, launched=False)  # raises MemkitError (one line, exit 2) on bad data/model/plan
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start the processes of a checked `args` (`check`) and wait for them."""
+    from memkit.train.main import add_arguments as finetune_arguments
+
     config_file = accelerate_config_for(args.plan, args.config_file)
     parser = argparse.ArgumentParser(add_help=False)
     finetune_arguments(parser)

@@ -94,6 +94,24 @@ class RunConfig:
         return self
 
 
+FULL_FT_LR = 2e-5
+"""Peak LR for full fine-tuning with AdamW (memkit.emit.plan_doc.DEFAULT_LR; the value the presets and
+ds_config.json carry): Alpaca's full fine-tune of LLaMA 7B used 2e-5 (Taori et al. 2023,
+tatsu-lab/stanford_alpaca README, "Fine-tuning")."""
+LORA_LR = 2e-4
+"""Peak LR for LoRA / QLoRA adapters: 2e-4, what QLoRA used for 7B and 13B models (Dettmers et al.
+2023, "QLoRA", Appendix B.2 and Table 9; 1e-4 for 33B and 65B); adapters start at zero
+(LoRA's B = 0, Hu et al. 2021, Sec. 4.1) and need a ~10x larger step than full fine-tuning."""
+
+
+def default_lr(lora_rank: int) -> tuple[float, str]:
+    """(lr, the line the run prints) when --lr is not given."""
+    if lora_rank:
+        return LORA_LR, (f"lr {LORA_LR:g} (LoRA default: QLoRA, Dettmers et al. 2023, App. B.2 - 2e-4 for "
+                         "7-13B, 1e-4 for 33-65B models; pass --lr to change it)")
+    return FULL_FT_LR, f"lr {FULL_FT_LR:g} (full fine-tuning default, Alpaca recipe; pass --lr to change it)"
+
+
 def scaled_lr(lr: float, *, rule: str, global_batch_size: int, ref_batch_size: int | None) -> tuple[float, str]:
     """(lr, note) with the LR scaled from the reference batch to the plan's global batch.
 

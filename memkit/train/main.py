@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g.add_argument("--no-double-quant", action="store_true", help="with a 4-bit base: fp32 block scales")
     add_backward_args(g, for_search=True)  # None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
+    o.add_argument("--lr", type=float, default=None,
+                   help="peak LR at --ref-batch-size (default 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA: "
+                        "memkit.train.config.default_lr)")
     o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
                    help="scale --lr from --ref-batch-size to the plan's global batch")
     o.add_argument("--ref-batch-size", type=int, help="global batch (sequences) --lr was tuned for")
@@ -145,7 +147,8 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     every plan flag against it, the model, the split against the model and the launch, the
     tokenizer and the data. launched=False (`memkit train`, before it starts the launcher) skips
     the launched-world checks."""
-    from memkit.train.config import check_flags, check_split, plan_model_name, read_plan_file, scaled_lr
+    from memkit.train.config import (check_flags, check_split, default_lr, plan_model_name, read_plan_file,
+                                     scaled_lr)
     from memkit.train.data import prepare_data
     from memkit.train.model import choose_init, load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
@@ -187,13 +190,16 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch = micro * accum * (plan.dp if plan is not None and (plan.tp > 1 or plan.pp > 1) else world)
-    lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
+    base_lr, lr_note = (args.lr, "") if args.lr is not None else default_lr(
+        flags["lora_rank"] if flags["lora_rank"] is not None else (plan.lora_rank if plan else 0))
+    lr, note = scaled_lr(base_lr, rule=args.scale_lr, global_batch_size=global_batch,
                          ref_batch_size=args.ref_batch_size)
+    note = "; ".join(n for n in (lr_note, note) if n)
     run = RunConfig(
         model=model_name, init=init, data=args.data, output_dir=Path(args.output_dir),
         max_steps=100 if args.max_steps is None else args.max_steps, num_epochs=args.num_epochs,
         eval_every=args.eval_every, report_to=args.report_to, overwrite=args.overwrite,
-        lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
+        lr=lr, base_lr=base_lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
         lr_decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         seed=args.seed, shuffle=not args.no_shuffle, save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, save_final=not args.no_save_final,
