@@ -112,6 +112,11 @@ def default_lr(lora_rank: int) -> tuple[float, str]:
     return FULL_FT_LR, f"lr {FULL_FT_LR:g} (full fine-tuning default, Alpaca recipe; pass --lr to change it)"
 
 
+def steps_for_epochs(num_epochs: float, *, num_sequences: int, global_batch_size: int) -> int:
+    """--num-epochs as optimizer steps: enough to pass over the data that often (at least one)."""
+    return max(1, math.ceil(num_epochs * num_sequences / global_batch_size))
+
+
 def scaled_lr(lr: float, *, rule: str, global_batch_size: int, ref_batch_size: int | None) -> tuple[float, str]:
     """(lr, note) with the LR scaled from the reference batch to the plan's global batch.
 

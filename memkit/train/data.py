@@ -41,6 +41,8 @@ class PackedData:
     num_documents: int
     num_dropped_tokens: int = 0
     """Tail tokens of a text stream that did not fill a last sequence."""
+    num_truncated: int = 0
+    """Examples cut to --seq-len by --truncate (their first seq_len tokens kept)."""
     eval: "PackedData | None" = None
     """The held-out eval set (--eval-data / --eval-fraction), packed the same way; None without one."""
     loss_tokens: torch.Tensor = field(init=False)
@@ -82,14 +84,16 @@ class PackedData:
 
 def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
                  seed: int = 0, packing: bool = True, eval_source: str | None = None,
-                 eval_fraction: float = 0.0) -> PackedData:
+                 eval_fraction: float = 0.0, truncate: bool = False) -> PackedData:
     """Read `source`, tokenize it and cut it into sequences of exactly `seq_len` tokens.
 
     packing=True: text is one EOS-separated stream cut every seq_len tokens, and whole examples
     share a sequence while they fit; packing=False: one document or example per (padded)
     sequence, a document longer than seq_len continuing in the next sequences.
     An eval set (from `eval_source`, or `eval_fraction` of the records held out before packing,
-    chosen by `seed`) is prepared the same way and returned as `.eval`.
+    chosen by `seed`) is prepared the same way and returned as `.eval`. An example (prompt +
+    answer, or a conversation) longer than seq_len is an error, or with truncate=True keeps its
+    first seq_len tokens (TRL's SFTConfig truncation_mode="keep_start", its default).
     """
     if max_positions is not None and seq_len > max_positions:
         raise MemkitError(f"--seq-len {seq_len} is longer than the model allows "
@@ -106,13 +110,15 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     if eval_fraction:
         records, held_out = _hold_out(records, eval_fraction, seed=seed, source=source)
         eval_data = _tokenize_and_pack(kind, held_out, tokenizer, seq_len=seq_len, packing=packing,
-                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction")
+                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction",
+                                       truncate=truncate)
     elif eval_source is not None:
         eval_kind, eval_records = read_records(eval_source, flag="--eval-data")
         eval_data = _tokenize_and_pack(eval_kind, eval_records, tokenizer, seq_len=seq_len,
-                                       packing=packing, source=eval_source, what=f"--eval-data {eval_source}")
+                                       packing=packing, source=eval_source, what=f"--eval-data {eval_source}",
+                                       truncate=truncate)
     data = _tokenize_and_pack(kind, records, tokenizer, seq_len=seq_len, packing=packing, source=source,
-                              what=f"--data {source}")
+                              what=f"--data {source}", truncate=truncate)
     return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
 
 
@@ -137,7 +143,7 @@ EXAMPLE_PARTS = {"prompt_completion": "prompt + completion + eos", "alpaca": "pr
 
 
 def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
-                       source: str, what: str) -> PackedData:
+                       source: str, what: str, truncate: bool = False) -> PackedData:
     from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
 
     eos = tokenizer.eos_token_id
@@ -160,13 +166,19 @@ def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: in
         answers = tokenizer(answers_text, add_special_tokens=False)["input_ids"]
         examples = [(list(p) + list(a) + [eos], [IGNORE_INDEX] * len(p) + list(a) + [eos])
                     for p, a in zip(prompts, answers)]
-    for (ids, _), record in zip(examples, records):
-        if len(ids) > seq_len:
-            raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
-                              f"longer than --seq-len {seq_len}; shorten it or raise --seq-len")
+    too_long = [i for i, (ids, _) in enumerate(examples) if len(ids) > seq_len]
+    if too_long and not truncate:
+        ids, record = examples[too_long[0]][0], records[too_long[0]]
+        raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
+                          f"longer than --seq-len {seq_len}; shorten it, raise --seq-len, or pass --truncate "
+                          f"to keep each example's first {seq_len} tokens ({len(too_long)} example(s) too long)")
+    for i in too_long:  # --truncate: keep the start (the prompt and the answer's beginning)
+        examples[i] = (examples[i][0][:seq_len], examples[i][1][:seq_len])
     if packing:
-        return _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
-    return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+        packed = _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+    else:
+        packed = _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+    return dataclasses.replace(packed, num_truncated=len(too_long)) if too_long else packed
 
 
 def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str, what: str) -> PackedData:

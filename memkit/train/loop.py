@@ -43,7 +43,7 @@ import torch
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, resolve_resume, save_final_model
-from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan
+from memkit.train.config import RunConfig, fill_deepspeed_autos, lr_at, resolve_plan, steps_for_epochs
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 from memkit.train import split_checkpoint
@@ -306,8 +306,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     sharding = Sharding(num_sequences=data.num_sequences, micro_batch_size=plan.micro_batch_size,
                         grad_accum=plan.grad_accum, dp=plan.dp, seed=run.seed, shuffle=run.shuffle)
     if run.num_epochs is not None:  # --num-epochs: enough steps to pass over the data that often
-        run = dataclasses.replace(run, max_steps=max(1, math.ceil(
-            run.num_epochs * data.num_sequences / sharding.global_batch_size)))
+        run = dataclasses.replace(run, max_steps=steps_for_epochs(
+            run.num_epochs, num_sequences=data.num_sequences, global_batch_size=sharding.global_batch_size))
     if run.overwrite and main:
         removed = clear_run_outputs(out_dir)
         if removed:

@@ -95,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     d = p.add_argument_group("data")
     d.add_argument("--packing", choices=("on", "off"), default="on",
                    help="on: fill each sequence with several documents/examples; off: one per sequence")
+    d.add_argument("--truncate", action="store_true",
+                   help="cut an example longer than --seq-len to its first --seq-len tokens (default: refuse it)")
     d.add_argument("--eval-data", help="held-out data (any --data format) for the eval loss")
     d.add_argument("--eval-fraction", type=float, default=0.0,
                    help="hold out this fraction of --data's records for the eval loss")
@@ -185,7 +187,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     check_output_dir(Path(args.output_dir), resume=args.resume, overwrite=args.overwrite)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
                         vocab_size=config.vocab_size, seed=args.seed, packing=args.packing == "on",
-                        eval_source=args.eval_data, eval_fraction=args.eval_fraction)
+                        eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate)
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -213,6 +215,60 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
         flags["seq_len"] = seq_len
     return Prepared(plan=plan, plan_doc=plan_doc, flags=flags, run=run, source=source, model_config=config,
                     tokenizer=tokenizer, data=data, init_note=init_note)
+
+
+PACKING_RULES = {
+    ("text", True): "documents joined by EOS and cut every {L} tokens (GPT-style: a document attends to the "
+                    "ones before it in its sequence; the EOS marks each boundary)",
+    ("text", False): "one document per sequence, padded; a longer one continues in the next sequence",
+    ("examples", True): "whole examples share a sequence while they fit, none split; each is trained on its own "
+                        "labels, and attends to the earlier examples in its sequence (--packing off: one per sequence)",
+    ("examples", False): "one example per sequence, padded (no example sees another)",
+}
+"""What --packing does to each kind of data (memkit.train.data._pack_text / _pack_examples / _one_per_row)."""
+
+
+def start_lines(prepared: "Prepared", *, world: int, packing: bool) -> list[str]:
+    """What the run will do, printed before it starts: data, epochs and steps, tokens per step,
+    packing and its boundary rule, eval and checkpoint cadence, where the logs go."""
+    from memkit.train.config import steps_for_epochs
+
+    run, data, plan, flags = prepared.run, prepared.data, prepared.plan, prepared.flags
+    micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
+    accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
+    dp = plan.dp if plan is not None else world
+    batch = micro * accum * dp
+    if run.num_epochs is not None:
+        steps = steps_for_epochs(run.num_epochs, num_sequences=data.num_sequences, global_batch_size=batch)
+        how = f"--num-epochs {run.num_epochs:g}"
+    else:
+        steps, how = run.max_steps, "--max-steps" if run.max_steps != 100 else "the default --max-steps"
+    epochs = steps * batch / data.num_sequences
+    lines = [f"data: {data.num_sequences:,} sequences of {data.seq_len} tokens from {data.source} ({data.kind}, "
+             f"{data.num_documents:,} records)"
+             + (f"; {data.num_truncated:,} example(s) cut to {data.seq_len} tokens (--truncate)" if data.num_truncated
+                else ""),
+             f"steps: {steps:,} ({how}) = {epochs:.3g} epoch(s); {batch} sequences x {data.seq_len} = "
+             f"{batch * data.seq_len:,} tokens per step (micro {micro} x accum {accum} x dp {dp})"]
+    if data.kind != "synthetic":
+        rule = PACKING_RULES[("text" if data.kind == "text" else "examples", packing)]
+        lines.append(f"packing {'on' if packing else 'off'}: {rule.format(L=data.seq_len)}")
+    if data.eval is not None:
+        every = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
+        lines.append(f"eval: {every}, on {data.eval.num_sequences:,} sequences of {data.eval.source}")
+    else:
+        lines.append("eval: none (no eval split; --eval-fraction 0.02 or --eval-data FILE adds one)")
+    out = run.output_dir
+    if run.save_every:
+        lines.append(f"checkpoints: every {run.save_every} steps in {out / 'checkpoints'} (newest "
+                     f"{run.keep_checkpoints} kept), and on SIGTERM/SIGINT")
+    else:
+        lines.append(f"checkpoints: on SIGTERM/SIGINT only, in {out / 'checkpoints'} (--save-every N adds periodic ones)")
+    board = {"tensorboard": f"; TensorBoard: {out / 'tensorboard'}", "none": ""}.get(
+        run.report_to, f"; metrics also to {run.report_to}")
+    lines.append(f"logs: {out / 'log.jsonl'}{board}; final model: "
+                 + (f"{out / 'final'}" if run.save_final else "not saved (--no-save-final)"))
+    return lines
 
 
 def _env_int(name: str) -> int | None:
@@ -257,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     run = prepared.run
     if rank == 0 and prepared.init_note:
         sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
+    if rank == 0:
+        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=args.packing == "on"):
+            sys.stderr.write(f"memkit: {line}\n")
 
     import torch
 
