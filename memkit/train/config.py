@@ -17,7 +17,8 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "m
 PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
-REPORT_TO = ("tensorboard", "none")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+"""--report-to choices (memkit.train.loggers opens each)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -237,7 +237,7 @@ class _Run:
     manager: CheckpointManager
     log: JsonlLog
     board: object
-    """torch.utils.tensorboard SummaryWriter on the main process with --report-to tensorboard, else None."""
+    """The --report-to logger on the main process (memkit.train.loggers.open_board), else None."""
     start_record: dict
     flops_per_token: float
     peak_tflops: float | None
@@ -369,11 +369,10 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
         "start_step": start_step, "resumed_from": resumed_from, "versions": _versions(),
         "memory_kind": meter.kind, "peak_tflops": peak_tflops}
     log.write(start_record)
-    board = None
-    if main and run.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
+    from memkit.train.loggers import open_board
 
-        board = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+    board = open_board(run.report_to, out_dir, config={"lr": run.lr, "max_steps": run.max_steps,
+                                                      **plan.to_dict()}) if main else None
     if main:
         _say_start(run, plan, world, data, resumed_from=resumed_from, start_step=start_step)
     if meter.kind == "live-tensors" and plan_doc and plan_doc.get("hardware"):

@@ -26,7 +26,7 @@ from memkit.quantize import QUANTIZE_BASES
 from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
-from memkit.train.config import RunConfig
+from memkit.train.config import REPORT_TO, RunConfig
 
 HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch)"
 
@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--report-json", help="also write the end report here")
     c.add_argument("--dist-timeout-s", type=int, default=1800)
-    c.add_argument("--report-to", choices=("tensorboard", "none"), default="tensorboard",
-                   help="tensorboard: event files in output-dir/tensorboard (default)")
+    c.add_argument("--report-to", choices=REPORT_TO, default="tensorboard",
+                   help="tensorboard: event files in output-dir/tensorboard (default); wandb (offline unless "
+                        "WANDB_MODE=online); mlflow (MLFLOW_TRACKING_URI, else output-dir/mlruns); none")
     c.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --output-dir (default: refuse)")
     d = p.add_argument_group("data")
@@ -185,6 +186,9 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if args.max_steps is not None and args.num_epochs is not None:
         raise MemkitError(f"--max-steps {args.max_steps} and --num-epochs {args.num_epochs:g} both given; use one")
     check_output_dir(Path(args.output_dir), resume=args.resume, overwrite=args.overwrite)
+    from memkit.train.loggers import check_report_to
+
+    check_report_to(args.report_to)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
                         vocab_size=config.vocab_size, seed=args.seed, packing=args.packing == "on",
                         eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate)
