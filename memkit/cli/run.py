@@ -14,7 +14,7 @@ A recipe is YAML with five sections; each key is the flag of the same name (`--n
 budget.num_gpus), and a flag given on the command line wins over the recipe:
 
     model:    {name, init}                                   # name: --model
-    data:     {path, eval_data, eval_fraction, packing}      # path: --data
+    data:     {path, eval_data, eval_fraction, packing, truncate}   # path: --data
     budget:   {gpu, gpu_memory, num_gpus, num_nodes, host_ram}
     work:     {global_batch_size, seq_len, num_epochs, max_steps}
     training: {lr, lr_decay, warmup_steps, weight_decay, seed, lora_rank, lora_targets, quantize_base,
@@ -57,6 +57,8 @@ KEYS = (
     _key("data", "eval_data", "--eval-data", str, "train", "held-out data for the eval loss"),
     _key("data", "eval_fraction", "--eval-fraction", float, "train", "hold out this fraction of the data"),
     _key("data", "packing", "--packing", str, "train", "on / off"),
+    _key("data", "truncate", "--truncate", bool, "train", "cut an example longer than seq_len to its first seq_len "
+         "tokens (default: refuse it)"),
     _key("budget", "gpu", "--gpu", str, "suggest", "GPU name (memkit gpus)"),
     _key("budget", "gpu_memory", "--gpu-memory", str, "suggest", "GPU memory instead of --gpu, e.g. 24GiB"),
     _key("budget", "num_gpus", "--num-gpus", int, "suggest", "GPUs per node (default 1)"),
@@ -100,7 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan, write the bundle and print the command, but do not start training")
     g = p.add_argument_group("recipe keys as flags (SECTION.KEY in the YAML)")
     for key in KEYS:
-        g.add_argument(key.flag, type=key.kind, default=None, help=f"{key.section}.{key.name}: {key.help}")
+        if key.kind is bool:  # a switch: the flag alone, `true` in the YAML
+            g.add_argument(key.flag, action="store_true", default=None, help=f"{key.section}.{key.name}: {key.help}")
+        else:
+            g.add_argument(key.flag, type=key.kind, default=None, help=f"{key.section}.{key.name}: {key.help}")
 
 
 def read_recipe(path: str) -> dict:
@@ -138,6 +143,10 @@ def _typed(key: Key, value, path: str):
         return "on" if value else "off"
     if key.kind is str and isinstance(value, (list, tuple)):  # lora_targets: [q_proj, v_proj]
         return ",".join(str(v) for v in value)
+    if key.kind is bool:
+        if not isinstance(value, bool):
+            raise MemkitError(f"recipe {path}: {key.section}.{key.name} {value!r} must be true or false")
+        return value
     try:
         if key.kind is int and (isinstance(value, bool) or float(value) != int(value)):
             raise ValueError
@@ -170,8 +179,8 @@ def _argv(values: dict, to: tuple[str, ...]) -> list[str]:
     out = []
     for key in KEYS:
         value = values.get(_dest(key))
-        if key.to in to and value is not None:
-            out += [key.flag, str(value)]
+        if key.to in to and value is not None and value is not False:
+            out += [key.flag] if value is True else [key.flag, str(value)]
     return out
 
 
