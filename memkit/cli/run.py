@@ -87,6 +87,8 @@ KEYS = (
 )
 SECTIONS = tuple(dict.fromkeys(k.section for k in KEYS))
 REQUIRED = ("--model", "--data", "--global-batch-size")
+ALTERNATIVES = {"max_steps": "num_epochs", "num_epochs": "max_steps", "gpu": "gpu_memory", "gpu_memory": "gpu"}
+"""Keys that say the same thing in two ways: a flag given for one replaces the recipe's other."""
 
 
 def _dest(key: Key) -> str:
@@ -163,6 +165,9 @@ def merged(args: argparse.Namespace) -> dict:
         given = getattr(args, _dest(key))
         if given is not None:
             values[_dest(key)] = given
+            other = ALTERNATIVES.get(_dest(key))
+            if other and getattr(args, other) is None:  # --max-steps on a recipe of epochs: the flag's unit wins
+                values.pop(other, None)
     return values
 
 
