@@ -160,3 +160,28 @@ def test_a_flag_replaces_the_recipes_other_unit(user, capsys):
     saved = yaml.safe_load((user / "r" / "recipe.yaml").read_text())
     assert "num_epochs" not in saved["work"] and saved["budget"] == {"gpu_memory": "24GiB"}
     assert json.loads((user / "r" / "plan.json").read_text())["hardware"]["gpu_memory_bytes"] == 24 * 2**30
+
+
+@pytest.mark.parametrize("data, message", [
+    ("missing.jsonl", r"^memkit: error: --data missing.jsonl: no such file or folder"),
+    ("bad.jsonl", r"^memkit: error: --data bad.jsonl: line 2"),
+    ("long.jsonl", r"^memkit: error: --data long.jsonl: line 1 has \d+ tokens .*longer than --seq-len 64; .*--truncate"),
+])
+def test_the_printed_train_line_refuses_bad_data_in_one_line(data, message, user, capsys):
+    """The "Run it" line of a bundle, with the user's data: a missing file, a broken row and an
+    over-long row are each one line and exit 2, before any process starts."""
+    import re
+    import shlex
+
+    (user / "bad.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n{not json\n")
+    (user / "long.jsonl").write_text(json.dumps({"prompt": "word " * 100, "completion": " yes"}) + "\n")
+    assert main(["run", "--model", "tiny", "--init", "random", "--gpu", "a100-80gb", "--global-batch-size", "2",
+                 "--seq-len", "64", "--data", "train.jsonl", "--out", "b", "--dry-run"]) == 0
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Run it: "))
+    argv = shlex.split(printed.removeprefix("Run it: "))
+    assert argv[:2] == ["memkit", "train"]
+    argv[argv.index("--data") + 1] = data
+    assert main(argv[1:]) == 2
+    line = _one_line(capsys)
+    assert re.search(message, line), line
+    assert not (user / "b" / "run").exists()
