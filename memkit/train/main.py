@@ -94,8 +94,9 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --output-dir (default: refuse)")
     d = p.add_argument_group("data")
-    d.add_argument("--packing", choices=("on", "off"), default="on",
-                   help="on: fill each sequence with several documents/examples; off: one per sequence")
+    d.add_argument("--packing", choices=("on", "off", "isolated"), default="on",
+                   help="on: fill each sequence with several documents/examples; off: one per sequence; "
+                        "isolated: pack examples, each attending only to itself (per-example position ids)")
     d.add_argument("--truncate", action="store_true",
                    help="cut an example longer than --seq-len to its first --seq-len tokens (default: refuse it)")
     d.add_argument("--eval-data", help="held-out data (any --data format) for the eval loss")
@@ -190,8 +191,9 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
 
     check_report_to(args.report_to)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
-                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing == "on",
-                        eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate)
+                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing != "off",
+                        eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate,
+                        isolate=args.packing == "isolated")
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -226,13 +228,17 @@ PACKING_RULES = {
                     "ones before it in its sequence; the EOS marks each boundary)",
     ("text", False): "one document per sequence, padded; a longer one continues in the next sequence",
     ("examples", True): "whole examples share a sequence while they fit, none split; each is trained on its own "
-                        "labels, and attends to the earlier examples in its sequence (--packing off: one per sequence)",
+                        "labels, and attends to the earlier examples in its sequence (--packing isolated: each only "
+                        "to itself; off: one per sequence)",
     ("examples", False): "one example per sequence, padded (no example sees another)",
+    ("examples", "isolated"): "whole examples share a sequence while they fit, none split; each attends only to "
+                              "itself (positions restart at each example: a block-diagonal causal mask)",
+    ("text", "isolated"): "documents joined by EOS and cut every {L} tokens (isolation applies to examples only)",
 }
 """What --packing does to each kind of data (memkit.train.data._pack_text / _pack_examples / _one_per_row)."""
 
 
-def start_lines(prepared: "Prepared", *, world: int, packing: bool) -> list[str]:
+def start_lines(prepared: "Prepared", *, world: int, packing) -> list[str]:
     """What the run will do, printed before it starts: data, epochs and steps, tokens per step,
     packing and its boundary rule, eval and checkpoint cadence, where the logs go."""
     from memkit.train.config import steps_for_epochs
@@ -256,7 +262,8 @@ def start_lines(prepared: "Prepared", *, world: int, packing: bool) -> list[str]
              f"{batch * data.seq_len:,} tokens per step (micro {micro} x accum {accum} x dp {dp})"]
     if data.kind != "synthetic":
         rule = PACKING_RULES[("text" if data.kind == "text" else "examples", packing)]
-        lines.append(f"packing {'on' if packing else 'off'}: {rule.format(L=data.seq_len)}")
+        shown = packing if isinstance(packing, str) else ("on" if packing else "off")
+        lines.append(f"packing {shown}: {rule.format(L=data.seq_len)}")
     if data.eval is not None:
         every = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
         lines.append(f"eval: {every}, on {data.eval.num_sequences:,} sequences of {data.eval.source}")
@@ -318,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and prepared.init_note:
         sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
     if rank == 0:
-        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=args.packing == "on"):
+        packing = {"on": True, "off": False}.get(args.packing, args.packing)
+        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=packing):
             sys.stderr.write(f"memkit: {line}\n")
 
     import torch
