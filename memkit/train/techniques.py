@@ -97,4 +97,6 @@ def micro_loss_sum(model, head, batch: dict, standard_loss_sum):
         return standard_loss_sum(logits, batch["labels"])
     from memkit.train.chunked_loss import loss_sum
 
-    return loss_sum(model, head, input_ids=batch["input_ids"], labels=batch["labels"], **mask)
+    return loss_sum(model, head, input_ids=batch["input_ids"], labels=batch["labels"],
+                    attention_mask=None if isolated else batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"))  # loss_sum turns the cache off itself
