@@ -101,9 +101,16 @@ def suggest(model, *, global_batch_size: int, seq_len: int, gpu: str | None = No
     return search(request, num_alternatives=num_alternatives)
 
 
-def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay: float = 0.0, **overrides):
+def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay: float = 0.0,
+                       for_: str = "trainer", **overrides):
     """transformers.TrainingArguments that train `plan` with your own Trainer / SFTTrainer: the
     flags of the bundle README's Trainer recipe (memkit.emit.trainer.trainer_arguments).
+
+    for_="trl": a trl.SFTConfig (TrainingArguments' subclass, trl/trainer/sft_config.py) with the
+    same flags and max_length = the plan's seq_len, for TRL's SFTTrainer.
+    On a machine without a CUDA GPU the arguments are a CPU smoke test of the plan, and a
+    UserWarning says so: use_cpu=True, and a 16-bit plan runs in fp32 without its DeepSpeed file
+    (transformers refuses bf16/fp16 on a CPU: "Your setup doesn't support bf16/gpu").
 
     plan: a TrainingPlan, or a plan.json (or the folder `memkit suggest --out` wrote); for a
     DeepSpeed plan.json the ds_config.json beside it becomes `deepspeed` (absolute path).
@@ -112,8 +119,6 @@ def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay:
     memkit.emit.trainer.trainer_recipe(plan).model_kwargs / .peft_config.
     """
     from pathlib import Path
-
-    from transformers import TrainingArguments
 
     from memkit.emit.trainer import trainer_arguments
     from memkit.plan import TrainingPlan
@@ -132,8 +137,38 @@ def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay:
 
         raise MemkitError("this plan steps the optimizer in backward, which HF Trainer cannot run (it steps and "
                           "clips after backward); train it with launch/finetune.py --plan plan.json")
+    if for_ not in ("trainer", "trl"):
+        raise MemkitError(f"for_={for_!r}: use 'trainer' (transformers TrainingArguments) or 'trl' (trl.SFTConfig)")
     args = trainer_arguments(plan, lr=lr, weight_decay=weight_decay)
     if deepspeed is not None:
         args["deepspeed"] = deepspeed
+    if for_ == "trl":
+        args["max_length"] = plan.seq_len
+    args.update(_cpu_smoke_test(args, overrides))
     args.update(overrides)
+    if for_ == "trl":
+        from trl import SFTConfig
+
+        return SFTConfig(output_dir=output_dir, **args)
+    from transformers import TrainingArguments
+
     return TrainingArguments(output_dir=output_dir, **args)
+
+
+def _cpu_smoke_test(args: dict, overrides: dict) -> dict:
+    """On a machine without CUDA: what makes the plan's arguments run here (and a warning saying so)."""
+    import torch
+
+    if torch.cuda.is_available() or overrides.get("use_cpu") is False:
+        return {}
+    import warnings
+
+    changes = {"use_cpu": True}
+    if args.get("bf16") or args.get("fp16"):
+        changes.update(bf16=False, fp16=False)
+        if "deepspeed" in args:
+            changes["deepspeed"] = None
+    changed = ", ".join(f"{k}={v}" for k, v in changes.items())
+    warnings.warn(f"memkit.training_arguments: no CUDA GPU here, so these arguments are a CPU smoke test of the "
+                  f"plan ({changed}); on the plan's GPUs they are the plan's own", UserWarning, stacklevel=3)
+    return changes

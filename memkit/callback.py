@@ -15,6 +15,11 @@ What "measured peak" is (the record's `memory_kind` says which):
                   analogue of "allocated"; the model's weights are adopted at train start.
   'rss'           on CPU with cpu_memory='rss': the process's peak resident set size
                   (getrusage ru_maxrss; never decreases, includes Python and libraries).
+On a CPU the prediction compared is a CPU one: a plan.json's estimate (priced for its GPU) is
+priced again for the CPU from the model the Trainer trains (memkit.train.report.cpu_priced), as
+the runner does. At each of the first `log_steps` steps, process 0 prints measured vs predicted
+peak and tokens/s to stderr, and warns when the measured peak exceeds the prediction's upper
+bound (allocated_peak_upper_bytes: memkit/estimate/bounds.py).
 Tokens per step: state.num_input_tokens_seen when TrainingArguments(include_num_input_tokens_seen=
 ...) counts them, else per-device batch x accumulation x processes x `seq_len` (padded tokens).
 
@@ -41,7 +46,7 @@ class MemkitCallback(TrainerCallback):
 
     def __init__(self, path: str | Path = "memkit_record.json", *, prediction=None, plan_json: str | Path | None = None,
                  seq_len: int | None = None, cpu_memory: str = "live-tensors", plan=None, gpu: str | None = None,
-                 profile: bool | None = None) -> None:
+                 profile: bool | None = None, log_steps: int = 3) -> None:
         """prediction: a MemoryEstimate (memkit.estimate) or a dict of figures
         ({'allocated_peak_bytes': ..., 'tokens_per_s': ...}); plan_json: a plan.json written by
         `memkit suggest --out` (its estimate and step_time). seq_len: tokens per sequence, for the
@@ -55,6 +60,10 @@ class MemkitCallback(TrainerCallback):
         self.predicted = _predicted(prediction, plan_json)
         self._estimate, self._plan, self._gpu = _profile_inputs(prediction, plan_json, plan, gpu)
         self._from_plan_json = plan_json is not None
+        self._plan_json = plan_json
+        self.log_steps = log_steps
+        self.predicted_for = "gpu" if plan_json is not None else None
+        self.warnings: list[str] = []
         self.profile = profile
         self.seq_len = seq_len
         self.cpu_memory = cpu_memory
@@ -79,6 +88,8 @@ class MemkitCallback(TrainerCallback):
             self._tracker.__enter__()  # a dispatch mode: active on this thread until on_train_end
             if model is not None:
                 self._tracker.adopt(list(model.parameters()) + list(model.buffers()), "model")
+            if self._from_plan_json and model is not None:
+                self._price_for_cpu(model)
         else:
             self._kind = "rss"
 
@@ -104,6 +115,8 @@ class MemkitCallback(TrainerCallback):
                  "tokens_per_s": tokens / step_time if tokens and step_time > 0 else None}
         entry.update(self._memory())
         self.steps.append(entry)
+        if args.process_index == 0 and len(self.steps) <= self.log_steps:
+            self._say(entry)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._tracker is not None:
@@ -116,6 +129,43 @@ class MemkitCallback(TrainerCallback):
             self.path.write_text(json.dumps(self.record, indent=1, sort_keys=True))
 
     # ---- pieces ------------------------------------------------------------------------------
+    def _price_for_cpu(self, model) -> None:
+        """plan.json's GPU estimate replaced by the CPU estimate of the same plan and model."""
+        from memkit.api import model_spec
+        from memkit.emit import plan_doc
+        from memkit.train.report import cpu_priced, predicted_figures
+
+        doc = plan_doc.read(self._plan_json, flag="plan_json")
+        priced = cpu_priced(doc.data, self._plan or doc.plan, None, spec=model_spec(model))
+        self.predicted = predicted_figures(priced)
+        self._estimate = dict(priced["estimate"])
+        self._from_plan_json = False  # the prediction is now the CPU's
+        self.predicted_for = "cpu"
+
+    def _say(self, entry: dict) -> None:
+        """One stderr line per early step: measured vs predicted; a warning above the upper bound."""
+        import sys
+
+        from memkit.units import format_bytes
+
+        key = "host_rss_peak_bytes" if self._kind == "rss" else "allocated_peak_bytes"
+        parts = [f"memkit: step {entry['step']}: peak {format_bytes(entry[key])} ({self._kind})"]
+        if self.predicted.get(key):
+            parts.append(f"predicted {format_bytes(self.predicted[key])} ({entry[key] / self.predicted[key]:.2f}x)")
+        if entry.get("tokens_per_s"):
+            speed = f"{entry['tokens_per_s']:,.0f} tokens/s"
+            if self.predicted.get("tokens_per_s"):
+                speed += f" (predicted {self.predicted['tokens_per_s']:,.0f} on the plan's GPUs)"
+            parts.append(speed)
+        print(", ".join(parts), file=sys.stderr)
+        upper = self._estimate.get("allocated_peak_upper_bytes")
+        if key == "allocated_peak_bytes" and upper and entry[key] > upper:
+            warning = (f"memkit: WARNING: step {entry['step']} measured peak {format_bytes(entry[key])} is above the "
+                       f"prediction's upper bound {format_bytes(upper)}; the plan may not fit on its GPU "
+                       "(check the model, batch and sequence length the plan was made for)")
+            self.warnings.append(warning)
+            print(warning, file=sys.stderr)
+
     def _tokens(self, args, state) -> int | None:
         seen = state.num_input_tokens_seen or 0
         if seen > self._tokens0:
@@ -148,6 +198,8 @@ class MemkitCallback(TrainerCallback):
         measured["tokens_per_s"] = steady_median(speeds) if speeds else None
         ratio = {k: measured[k] / v for k, v in self.predicted.items() if measured.get(k) and v}
         return {"measured": measured, "predicted": self.predicted, "measured_over_predicted": ratio,
+                "predicted_memory_for": self.predicted_for or ("cpu" if self._kind != "cuda" else "gpu"),
+                "warnings": self.warnings,
                 "steps": self.steps, "world_size": args.world_size,
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps}

@@ -34,6 +34,7 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "lora_dropout": (0.0, 0.99, "dropout probability"),
     "num_alternatives": (0, 100, "alternatives to list"),
     "port": (1, 65_535, "TCP port"),  # RFC 6335 Sec. 6: ports are 16-bit, 0 is reserved
+    "main_process_port": (1, 65_535, "TCP port"),
     "lr": (1e-12, 100.0, "learning rate"),
     "weight_decay": (0.0, 10.0, "weight decay"),
     "min_lr_ratio": (0.0, 1.0, "fraction of the peak LR"),

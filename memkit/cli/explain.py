@@ -213,10 +213,11 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     if notes:
         lines += [""] + [f"note: {n}" for n in notes]
     if out_dir:
-        from memkit.emit.bundle import launch_command
+        from memkit.emit.bundle import train_command
 
         lines += ["", "Run it (--model: the weights to fine-tune; a smoke test on fresh weights: --init random "
-                  "--data synthetic --max-steps 20):", "  " + launch_command(doc, out_dir=out_dir.rstrip("/"))]
+                  "--data synthetic --max-steps 20; the raw accelerate line is in README.md):",
+                  "  " + train_command(doc, out_dir=out_dir.rstrip("/"))]
     return "\n".join(lines)
 
 

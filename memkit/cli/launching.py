@@ -18,6 +18,13 @@ def finetune_entry() -> list[str]:
     return ["-m", "memkit.finetune"]
 
 
+def plan_path(path: str | None) -> str | None:
+    """--plan as given, or DIR/plan.json when it names a bundle folder (what `suggest --out` wrote)."""
+    if path and Path(path).is_dir():
+        return str(Path(path) / "plan.json")
+    return path
+
+
 def accelerate_config_for(plan_path: str | None, config_file: str | None) -> Path | None:
     """--config-file, else accelerate.yaml beside plan.json (what `memkit suggest --out` writes)."""
     if config_file:

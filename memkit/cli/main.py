@@ -22,6 +22,7 @@ COMMANDS = {
     "explain": "memkit.cli.explain",
     "verify": "memkit.cli.verify",
     "train": "memkit.cli.train",
+    "run": "memkit.cli.run",
     "launch-script": "memkit.cli.launch_script",
     "doctor": "memkit.cli.doctor",
     "preset": "memkit.cli.preset",

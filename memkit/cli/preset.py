@@ -1,6 +1,7 @@
 """memkit preset: a ready-made plan from presets/plans/ as a bundle that runs from any directory.
 
-    memkit preset                                   # list the presets
+    memkit preset                                   # list the presets: model, GPUs, plan, peak, speed
+    memkit preset llama-3.1-8b-lora16-1xh100-80gb-4k        # its README (repository-relative paths)
     memkit preset llama-3.1-8b-lora16-1xh100-80gb-4k --out runs/8b
 
 The presets keep repository-relative paths (each is what `memkit suggest --out presets/plans/NAME
@@ -58,29 +59,52 @@ def preset_bundle(name: str, out_dir: str) -> dict[str, str]:
     return files
 
 
+def preset_rows() -> list[list[str]]:
+    """One row per preset: name, model, GPUs, the plan's technique summary (its label), predicted
+    per-GPU peak as nvidia-smi shows it / the card's memory, predicted tokens/s (all from plan.json)."""
+    from memkit.emit import plan_doc
+    from memkit.units import GIB
+
+    rows = []
+    for name in preset_names():
+        doc = plan_doc.read(preset_folder(name) / "plan.json").data
+        hw, est = doc["hardware"], doc["estimate"]
+        rows.append([name, str(doc["model"]), f"{hw['num_gpus_per_node'] * hw['num_nodes']} x {hw['gpu']}",
+                     doc["label"], f"{est['nvidia_smi_peak_bytes'] / GIB:.1f} / {hw['gpu_memory_bytes'] / GIB:.0f}",
+                     f"{doc['step_time']['tokens_per_s']:,.0f}"])
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
     if not args.name:
         if args.out:
             raise MemkitError("--out needs a preset name; `memkit preset` lists them")
-        print("\n".join(preset_names()))
+        from memkit.cli.render import format_table
+
+        print(format_table(["preset", "model", "GPUs", "plan", "peak GiB", "tokens/s"], preset_rows(),
+                           right={4, 5}))
+        print("\n(peak: predicted per GPU as nvidia-smi shows it / the card's memory; tokens/s: predicted, all "
+              "GPUs; `memkit preset NAME` shows one, `--out DIR` writes it)")
         return 0
     folder = preset_folder(args.name)
     if not args.out:
-        print((folder / "README.md").read_text(encoding="utf-8"), end="")
+        # the preset's README as the bundle emitter writes it for the repository-relative folder
+        # (presets commit plan.json, accelerate.yaml, ds_config.json; the README is derived)
+        print(preset_bundle(args.name, f"presets/plans/{args.name}")["README.md"], end="")
         print(f"\n(repository-relative paths: run from {folder.parents[2]}, or write a bundle that runs from "
               f"anywhere with `memkit preset {args.name} --out DIR`)")
         return 0
     from memkit.emit import plan_doc
-    from memkit.emit.bundle import launch_command, write_bundle
+    from memkit.emit.bundle import train_command, write_bundle
 
     out_dir = os.path.abspath(os.path.expanduser(args.out))
     written = write_bundle(args.out, preset_bundle(args.name, out_dir), force=args.force)
     doc = plan_doc.read(folder / "plan.json").data
     print(f"preset {args.name}: {doc['label']}")
     print("\nRun it (--model: the weights to fine-tune; a smoke test on fresh weights: --init random "
-          "--data synthetic --max-steps 20):")
-    print("  " + launch_command(doc, out_dir=out_dir))
+          "--data synthetic --max-steps 20; the raw accelerate line is in README.md):")
+    print("  " + train_command(doc, out_dir=out_dir))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

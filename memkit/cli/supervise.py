@@ -94,8 +94,12 @@ def _signal(pids, sig) -> None:
 class Supervisor:
     """Popen `cmd` in a new session; wait for it; on SIGTERM/SIGINT stop the whole tree."""
 
-    def __init__(self, cmd: list[str], *, env: dict, stdout=None, grace_s: float = 60.0) -> None:
+    def __init__(self, cmd: list[str], *, env: dict, stdout=None, grace_s: float = 60.0,
+                 stderr_reader=None) -> None:
+        """stderr_reader: called with the child's stderr (a pipe) in a thread of its own; the
+        thread is joined before run() returns (memkit.cli.train turns a worker's error into one line)."""
         self.cmd, self.env, self.stdout, self.grace_s = cmd, env, stdout, grace_s
+        self.stderr_reader = stderr_reader
         self.signum: int | None = None
         self.signalled_at: float | None = None
         self.proc: subprocess.Popen | None = None
@@ -104,9 +108,16 @@ class Supervisor:
         """('ok' | 'failed' | 'timeout' | 'signal', exit code to report)."""
         old = {sig: signal.signal(sig, self._on_signal) for sig in EXIT_SIGNAL}
         try:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.stdout,
-                                         stderr=subprocess.STDOUT if self.stdout is not None else None,
+            stderr = subprocess.PIPE if self.stderr_reader is not None else (
+                subprocess.STDOUT if self.stdout is not None else None)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.stdout, stderr=stderr,
                                          start_new_session=True)
+            if self.stderr_reader is not None:
+                import threading
+
+                reader = threading.Thread(target=self.stderr_reader, args=(self.proc.stderr,), daemon=True)
+                reader.start()
+                self._reader = reader
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while self.proc.poll() is None and self.signum is None:
                 if deadline is not None and time.monotonic() > deadline:
@@ -121,6 +132,9 @@ class Supervisor:
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            reader = getattr(self, "_reader", None)
+            if reader is not None:
+                reader.join(timeout=30)  # the pipe closes when the last process holding it exits
 
     def _on_signal(self, signum, frame) -> None:
         if self.signum is not None:

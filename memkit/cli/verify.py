@@ -24,7 +24,7 @@ EXIT_FAILED = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plan", required=True, help="plan.json written by `memkit suggest --out DIR`")
+    p.add_argument("--plan", required=True, help="plan.json written by `memkit suggest --out DIR`, or DIR")
     p.add_argument("--config-file", help="accelerate config (default: accelerate.yaml beside plan.json)")
     p.add_argument("--model", help="model folder/config/catalog name (default: plan.json's model)")
     p.add_argument("--data", default="synthetic", help="training data (default: synthetic tokens)")
@@ -32,11 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="where the run writes (default: a temporary folder)")
     p.add_argument("--timeout-s", type=int, default=1200, help="stop the run after this (default 1200)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    from memkit.cli.train import add_port_argument
+
+    add_port_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from memkit.cli.launching import plan_path
+    from memkit.cli.train import with_port
     from memkit.train.config import read_plan_file
 
+    args.plan = plan_path(args.plan)  # a bundle folder: its plan.json, and accelerate.yaml beside it
     plan, doc = read_plan_file(args.plan)
     if args.steps < 1:
         raise MemkitError(f"--steps {args.steps} must be >= 1")
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"memkit verify: {args.steps} steps of {args.plan} under {config_file} (log: {log_path})",
               file=sys.stderr)
     with launchable_config(config_file) as launched:  # a preset's repository-relative paths, resolved
-        cmd = launch_command(launched, finetune_args)
+        cmd = with_port(launch_command(launched, finetune_args), args.main_process_port)
         status, returncode = _run(cmd, log_path, timeout_s=args.timeout_s)
     if status == "signal":
         print(f"memkit verify: stopped by a signal; the launcher and every rank are stopped (log: {log_path})",
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         report = {"status": status if status != "ok" else "failed", "returncode": returncode,
                   "error": _tail(log_path)}
-    report["command"] = quote(launch_command(config_file, finetune_args))
+    report["command"] = quote(with_port(launch_command(config_file, finetune_args), args.main_process_port))
     report["log"] = str(log_path)
     if report["status"] == "oom":
         report["next_plan"] = next_ranked_plan(doc)

@@ -183,6 +183,25 @@ def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
             f"--output-dir {q(out_dir + '/' + run)}{extra}")
 
 
+def train_command(document: dict, *, out_dir: str, data: str = "train.jsonl", extra: str = "",
+                  smoke: bool = False) -> str:
+    """What memkit prints to run the bundle: `memkit train` (memkit.cli.train), which checks the data,
+    model and plan first, starts `launch_command`'s processes underneath and turns an error inside a
+    worker into one line, exit 2. --main-process-port is accelerate's rendezvous port (its default,
+    memkit.emit.accelerate.DEFAULT_MAIN_PROCESS_PORT); change it when another job on the node holds it."""
+    import shlex
+
+    from memkit.emit.accelerate import DEFAULT_MAIN_PROCESS_PORT
+
+    q = shlex.quote
+    run = "run"
+    if smoke:
+        data, extra, run = "synthetic", " --init random --max-steps 20" + extra, "smoke"
+    return (f"memkit train --plan {q(out_dir + '/plan.json')} --model {q(model_argument(document))} "
+            f"--data {q(data)} --output-dir {q(out_dir + '/' + run)} "
+            f"--main-process-port {DEFAULT_MAIN_PROCESS_PORT}{extra}")
+
+
 def _weights_text(document: dict) -> str:
     hub = model_argument(document)
     if hub != str(document["model"]):  # a catalog name: its hub id
@@ -204,6 +223,13 @@ def readme(document: dict, *, out_dir: str) -> str:
         f"Plan: **{document['label']}** (made by memkit {document['versions'].get('memkit')}).",
         "",
         "```",
+        train_command(document, out_dir=out_dir),
+        "```",
+        "",
+        "`memkit train` checks the data, model and plan before any process starts and runs "
+        "`accelerate launch` underneath; the same job as a raw accelerate command:",
+        "",
+        "```",
         launch_command(document, out_dir=out_dir),
         "```",
         "",
@@ -213,7 +239,7 @@ def readme(document: dict, *, out_dir: str) -> str:
         "which also reports the measured peak per GPU:",
         "",
         "```",
-        launch_command(document, out_dir=out_dir, smoke=True),
+        train_command(document, out_dir=out_dir, smoke=True),
         "```",
         "",
     ]

@@ -145,11 +145,14 @@ def find_head(model) -> ChunkedLossHead | None:
     return None
 
 
-def loss_sum(model, head: ChunkedLossHead, *, input_ids, attention_mask, labels) -> torch.Tensor:
+def loss_sum(model, head: ChunkedLossHead, *, input_ids, labels, attention_mask=None,
+             position_ids=None) -> torch.Tensor:
     """Sum of next-token losses of one micro-batch through the chunked head (model may be a
-    DeepSpeed engine or an Accelerate-wrapped module)."""
+    DeepSpeed engine or an Accelerate-wrapped module); position_ids: --packing isolated."""
     head.labels = shift_labels(labels)
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    extra = ({"position_ids": position_ids, "use_cache": False} if position_ids is not None
+             else {"attention_mask": attention_mask})
+    out = model(input_ids=input_ids, **extra)
     head.labels = None
     return out.logits
 

@@ -17,7 +17,8 @@ PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "m
 PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
-REPORT_TO = ("tensorboard", "none")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+"""--report-to choices (memkit.train.loggers opens each)."""
 
 
 DEFAULT_PREEMPT_GRACE_S = 25.0
@@ -110,6 +111,29 @@ class RunConfig:
         if self.report_to not in REPORT_TO:
             raise MemkitError(f"--report-to {self.report_to!r} is not one of {', '.join(REPORT_TO)}")
         return self
+
+
+FULL_FT_LR = 2e-5
+"""Peak LR for full fine-tuning with AdamW (memkit.emit.plan_doc.DEFAULT_LR; the value the presets and
+ds_config.json carry): Alpaca's full fine-tune of LLaMA 7B used 2e-5 (Taori et al. 2023,
+tatsu-lab/stanford_alpaca README, "Fine-tuning")."""
+LORA_LR = 2e-4
+"""Peak LR for LoRA / QLoRA adapters: 2e-4, what QLoRA used for 7B and 13B models (Dettmers et al.
+2023, "QLoRA", Appendix B.2 and Table 9; 1e-4 for 33B and 65B); adapters start at zero
+(LoRA's B = 0, Hu et al. 2021, Sec. 4.1) and need a ~10x larger step than full fine-tuning."""
+
+
+def default_lr(lora_rank: int) -> tuple[float, str]:
+    """(lr, the line the run prints) when --lr is not given."""
+    if lora_rank:
+        return LORA_LR, (f"lr {LORA_LR:g} (LoRA default: QLoRA, Dettmers et al. 2023, App. B.2 - 2e-4 for "
+                         "7-13B, 1e-4 for 33-65B models; pass --lr to change it)")
+    return FULL_FT_LR, f"lr {FULL_FT_LR:g} (full fine-tuning default, Alpaca recipe; pass --lr to change it)"
+
+
+def steps_for_epochs(num_epochs: float, *, num_sequences: int, global_batch_size: int) -> int:
+    """--num-epochs as optimizer steps: enough to pass over the data that often (at least one)."""
+    return max(1, math.ceil(num_epochs * num_sequences / global_batch_size))
 
 
 def scaled_lr(lr: float, *, rule: str, global_batch_size: int, ref_batch_size: int | None) -> tuple[float, str]:

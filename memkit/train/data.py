@@ -41,6 +41,13 @@ class PackedData:
     num_documents: int
     num_dropped_tokens: int = 0
     """Tail tokens of a text stream that did not fill a last sequence."""
+    num_truncated: int = 0
+    """Examples cut to --seq-len by --truncate (their first seq_len tokens kept)."""
+    position_ids: "torch.Tensor | None" = None
+    """--packing isolated: positions restarting at 0 at each example (and at the padding), so that
+    transformers builds a block-diagonal causal mask and no example attends to another (masking_utils.
+    _preprocess_mask_arguments -> find_packed_sequence_indices, when attention_mask is None); None
+    otherwise (positions 0..seq_len-1, the mask as attention_mask says)."""
     eval: "PackedData | None" = None
     """The held-out eval set (--eval-data / --eval-fraction), packed the same way; None without one."""
     loss_tokens: torch.Tensor = field(init=False)
@@ -74,22 +81,29 @@ class PackedData:
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         index = torch.as_tensor(np.asarray(indices), dtype=torch.long)
-        return {"input_ids": self.input_ids[index], "labels": self.labels[index],
-                "attention_mask": self.attention_mask[index]}
+        out = {"input_ids": self.input_ids[index], "labels": self.labels[index],
+               "attention_mask": self.attention_mask[index]}
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids[index]
+        return out
 
 
 # ---- tokenizing and packing -----------------------------------------------------------------
 
 def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
                  seed: int = 0, packing: bool = True, eval_source: str | None = None,
-                 eval_fraction: float = 0.0) -> PackedData:
+                 eval_fraction: float = 0.0, truncate: bool = False, isolate: bool = False) -> PackedData:
     """Read `source`, tokenize it and cut it into sequences of exactly `seq_len` tokens.
 
     packing=True: text is one EOS-separated stream cut every seq_len tokens, and whole examples
     share a sequence while they fit; packing=False: one document or example per (padded)
     sequence, a document longer than seq_len continuing in the next sequences.
     An eval set (from `eval_source`, or `eval_fraction` of the records held out before packing,
-    chosen by `seed`) is prepared the same way and returned as `.eval`.
+    chosen by `seed`) is prepared the same way and returned as `.eval`. An example (prompt +
+    answer, or a conversation) longer than seq_len is an error, or with truncate=True keeps its
+    first seq_len tokens (TRL's SFTConfig truncation_mode="keep_start", its default). isolate=True
+    (--packing isolated) packs examples as packing=True does, each attending only to itself
+    (PackedData.position_ids); text streams are unaffected.
     """
     if max_positions is not None and seq_len > max_positions:
         raise MemkitError(f"--seq-len {seq_len} is longer than the model allows "
@@ -106,13 +120,15 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     if eval_fraction:
         records, held_out = _hold_out(records, eval_fraction, seed=seed, source=source)
         eval_data = _tokenize_and_pack(kind, held_out, tokenizer, seq_len=seq_len, packing=packing,
-                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction")
+                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction",
+                                       truncate=truncate, isolate=isolate)
     elif eval_source is not None:
         eval_kind, eval_records = read_records(eval_source, flag="--eval-data")
         eval_data = _tokenize_and_pack(eval_kind, eval_records, tokenizer, seq_len=seq_len,
-                                       packing=packing, source=eval_source, what=f"--eval-data {eval_source}")
+                                       packing=packing, source=eval_source, what=f"--eval-data {eval_source}",
+                                       truncate=truncate, isolate=isolate)
     data = _tokenize_and_pack(kind, records, tokenizer, seq_len=seq_len, packing=packing, source=source,
-                              what=f"--data {source}")
+                              what=f"--data {source}", truncate=truncate, isolate=isolate)
     return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
 
 
@@ -137,7 +153,7 @@ EXAMPLE_PARTS = {"prompt_completion": "prompt + completion + eos", "alpaca": "pr
 
 
 def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
-                       source: str, what: str) -> PackedData:
+                       source: str, what: str, truncate: bool = False, isolate: bool = False) -> PackedData:
     from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
 
     eos = tokenizer.eos_token_id
@@ -160,13 +176,19 @@ def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: in
         answers = tokenizer(answers_text, add_special_tokens=False)["input_ids"]
         examples = [(list(p) + list(a) + [eos], [IGNORE_INDEX] * len(p) + list(a) + [eos])
                     for p, a in zip(prompts, answers)]
-    for (ids, _), record in zip(examples, records):
-        if len(ids) > seq_len:
-            raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
-                              f"longer than --seq-len {seq_len}; shorten it or raise --seq-len")
+    too_long = [i for i, (ids, _) in enumerate(examples) if len(ids) > seq_len]
+    if too_long and not truncate:
+        ids, record = examples[too_long[0]][0], records[too_long[0]]
+        raise MemkitError(f"{what}: {record['_where']} has {len(ids)} tokens ({EXAMPLE_PARTS[kind]}), "
+                          f"longer than --seq-len {seq_len}; shorten it, raise --seq-len, or pass --truncate "
+                          f"to keep each example's first {seq_len} tokens ({len(too_long)} example(s) too long)")
+    for i in too_long:  # --truncate: keep the start (the prompt and the answer's beginning)
+        examples[i] = (examples[i][0][:seq_len], examples[i][1][:seq_len])
     if packing:
-        return _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
-    return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+        packed = _pack_examples(examples, kind=kind, pad=pad, seq_len=seq_len, source=source, isolate=isolate)
+    else:
+        packed = _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+    return dataclasses.replace(packed, num_truncated=len(too_long)) if too_long else packed
 
 
 def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str, what: str) -> PackedData:
@@ -183,7 +205,8 @@ def _pack_text(docs: list[list[int]], *, eos: int, seq_len: int, source: str, wh
                       num_dropped_tokens=len(stream) - num_sequences * seq_len)
 
 
-def _rows(rows, *, kind: str, pad: int, seq_len: int, source: str, num_documents: int) -> PackedData:
+def _rows(rows, *, kind: str, pad: int, seq_len: int, source: str, num_documents: int,
+          positions=None) -> PackedData:
     """PackedData from (ids, labels) rows of <= seq_len tokens, right-padded (labels IGNORE_INDEX,
     attention_mask 0 on the padding)."""
     def padded(values, fill):
@@ -192,22 +215,31 @@ def _rows(rows, *, kind: str, pad: int, seq_len: int, source: str, num_documents
     return PackedData(input_ids=torch.tensor(padded([r[0] for r in rows], pad), dtype=torch.long),
                       labels=torch.tensor(padded([r[1] for r in rows], IGNORE_INDEX), dtype=torch.long),
                       attention_mask=torch.tensor(padded([[1] * len(r[0]) for r in rows], 0), dtype=torch.long),
-                      kind=kind, source=source, num_documents=num_documents)
+                      kind=kind, source=source, num_documents=num_documents,
+                      position_ids=None if positions is None else torch.tensor(
+                          [list(p) + list(range(seq_len - len(p))) for p in positions], dtype=torch.long))
 
 
-def _pack_examples(examples, *, kind: str, pad: int, seq_len: int, source: str) -> PackedData:
-    """Greedy in-order packing of whole examples (none is split across sequences)."""
+def _pack_examples(examples, *, kind: str, pad: int, seq_len: int, source: str, isolate: bool = False) -> PackedData:
+    """Greedy in-order packing of whole examples (none is split across sequences); isolate=True:
+    each example's positions start at 0 (PackedData.position_ids)."""
     rows: list[tuple[list[int], list[int]]] = []
+    positions: list[list[int]] = []
     cur_ids: list[int] = []
     cur_labels: list[int] = []
+    cur_pos: list[int] = []
     for ids, labels in examples:
         if cur_ids and len(cur_ids) + len(ids) > seq_len:
             rows.append((cur_ids, cur_labels))
-            cur_ids, cur_labels = [], []
+            positions.append(cur_pos)
+            cur_ids, cur_labels, cur_pos = [], [], []
         cur_ids = cur_ids + list(ids)
         cur_labels = cur_labels + list(labels)
+        cur_pos = cur_pos + list(range(len(ids)))
     rows.append((cur_ids, cur_labels))
-    return _rows(rows, kind=kind, pad=pad, seq_len=seq_len, source=source, num_documents=len(examples))
+    positions.append(cur_pos)
+    return _rows(rows, kind=kind, pad=pad, seq_len=seq_len, source=source, num_documents=len(examples),
+                 positions=positions if isolate else None)
 
 
 def _one_per_row(examples, *, kind: str, pad: int, seq_len: int, source: str) -> PackedData:

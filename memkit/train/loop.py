@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -45,7 +44,7 @@ from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, CheckpointWriteError, resolve_resume, save_final_model
 from memkit.train.config import (DEFAULT_PREEMPT_GRACE_S, RunConfig, fill_deepspeed_autos, lr_at,
-                                 resolve_plan)
+                                 resolve_plan, steps_for_epochs)
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
 from memkit.train import split_checkpoint
@@ -285,7 +284,7 @@ class _Run:
     manager: CheckpointManager
     log: JsonlLog
     board: object
-    """torch.utils.tensorboard SummaryWriter on the main process with --report-to tensorboard, else None."""
+    """The --report-to logger on the main process (memkit.train.loggers.open_board), else None."""
     start_record: dict
     flops_per_token: float
     peak_tflops: float | None
@@ -355,8 +354,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     sharding = Sharding(num_sequences=data.num_sequences, micro_batch_size=plan.micro_batch_size,
                         grad_accum=plan.grad_accum, dp=plan.dp, seed=run.seed, shuffle=run.shuffle)
     if run.num_epochs is not None:  # --num-epochs: enough steps to pass over the data that often
-        run = dataclasses.replace(run, max_steps=max(1, math.ceil(
-            run.num_epochs * data.num_sequences / sharding.global_batch_size)))
+        run = dataclasses.replace(run, max_steps=steps_for_epochs(
+            run.num_epochs, num_sequences=data.num_sequences, global_batch_size=sharding.global_batch_size))
     if run.overwrite and main:
         removed = clear_run_outputs(out_dir)
         if removed:
@@ -414,11 +413,10 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
         "start_step": start_step, "resumed_from": resumed_from, "versions": _versions(),
         "memory_kind": meter.kind, "peak_tflops": peak_tflops}
     log.write(start_record)
-    board = None
-    if main and run.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
+    from memkit.train.loggers import open_board
 
-        board = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+    board = open_board(run.report_to, out_dir, config={"lr": run.lr, "max_steps": run.max_steps,
+                                                      **plan.to_dict()}) if main else None
     if main:
         _say_start(run, plan, world, data, resumed_from=resumed_from, start_step=start_step)
     if meter.kind == "live-tensors" and plan_doc and plan_doc.get("hardware"):

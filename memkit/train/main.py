@@ -27,7 +27,7 @@ from memkit.quantize import QUANTIZE_BASES
 from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
 from memkit.spec.resolve import ModelSource
-from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, RunConfig
+from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
 
 HELP = "fine-tune a causal LM under a memkit plan (run it with accelerate launch)"
 
@@ -65,7 +65,9 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     g.add_argument("--no-double-quant", action="store_true", help="with a 4-bit base: fp32 block scales")
     add_backward_args(g, for_search=True)  # None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
-    o.add_argument("--lr", type=float, default=2e-5, help="peak LR at --ref-batch-size (default 2e-5)")
+    o.add_argument("--lr", type=float, default=None,
+                   help="peak LR at --ref-batch-size (default 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA: "
+                        "memkit.train.config.default_lr)")
     o.add_argument("--scale-lr", choices=("none", "linear", "sqrt"), default="none",
                    help="scale --lr from --ref-batch-size to the plan's global batch")
     o.add_argument("--ref-batch-size", type=int, help="global batch (sequences) --lr was tuned for")
@@ -94,13 +96,17 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--report-json", help="also write the end report here")
     c.add_argument("--dist-timeout-s", type=int, default=1800)
-    c.add_argument("--report-to", choices=("tensorboard", "none"), default="tensorboard",
-                   help="tensorboard: event files in output-dir/tensorboard (default)")
+    c.add_argument("--report-to", choices=REPORT_TO, default="tensorboard",
+                   help="tensorboard: event files in output-dir/tensorboard (default); wandb (offline unless "
+                        "WANDB_MODE=online); mlflow (MLFLOW_TRACKING_URI, else output-dir/mlruns); none")
     c.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --output-dir (default: refuse)")
     d = p.add_argument_group("data")
-    d.add_argument("--packing", choices=("on", "off"), default="on",
-                   help="on: fill each sequence with several documents/examples; off: one per sequence")
+    d.add_argument("--packing", choices=("on", "off", "isolated"), default="on",
+                   help="on: fill each sequence with several documents/examples; off: one per sequence; "
+                        "isolated: pack examples, each attending only to itself (per-example position ids)")
+    d.add_argument("--truncate", action="store_true",
+                   help="cut an example longer than --seq-len to its first --seq-len tokens (default: refuse it)")
     d.add_argument("--eval-data", help="held-out data (any --data format) for the eval loss")
     d.add_argument("--eval-fraction", type=float, default=0.0,
                    help="hold out this fraction of --data's records for the eval loss")
@@ -154,7 +160,8 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     every plan flag against it, the model, the split against the model and the launch, the
     tokenizer and the data. launched=False (`memkit train`, before it starts the launcher) skips
     the launched-world checks."""
-    from memkit.train.config import check_flags, check_split, plan_model_name, read_plan_file, scaled_lr
+    from memkit.train.config import (check_flags, check_split, default_lr, plan_model_name, read_plan_file,
+                                     scaled_lr)
     from memkit.train.data import prepare_data
     from memkit.train.model import choose_init, load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
@@ -189,20 +196,27 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if args.max_steps is not None and args.num_epochs is not None:
         raise MemkitError(f"--max-steps {args.max_steps} and --num-epochs {args.num_epochs:g} both given; use one")
     check_output_dir(Path(args.output_dir), resume=args.resume, overwrite=args.overwrite)
+    from memkit.train.loggers import check_report_to
+
+    check_report_to(args.report_to)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
-                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing == "on",
-                        eval_source=args.eval_data, eval_fraction=args.eval_fraction)
+                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing != "off",
+                        eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate,
+                        isolate=args.packing == "isolated")
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch = micro * accum * (plan.dp if plan is not None and (plan.tp > 1 or plan.pp > 1) else world)
-    lr, note = scaled_lr(args.lr, rule=args.scale_lr, global_batch_size=global_batch,
+    base_lr, lr_note = (args.lr, "") if args.lr is not None else default_lr(
+        flags["lora_rank"] if flags["lora_rank"] is not None else (plan.lora_rank if plan else 0))
+    lr, note = scaled_lr(base_lr, rule=args.scale_lr, global_batch_size=global_batch,
                          ref_batch_size=args.ref_batch_size)
+    note = "; ".join(n for n in (lr_note, note) if n)
     run = RunConfig(
         model=model_name, init=init, data=args.data, output_dir=Path(args.output_dir),
         max_steps=100 if args.max_steps is None else args.max_steps, num_epochs=args.num_epochs,
         eval_every=args.eval_every, report_to=args.report_to, overwrite=args.overwrite,
-        lr=lr, base_lr=args.lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
+        lr=lr, base_lr=base_lr, lr_scaling_note=note, warmup_steps=args.warmup_steps,
         lr_decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         seed=args.seed, shuffle=not args.no_shuffle, save_every=args.save_every,
         save_every_minutes=args.save_every_minutes, preempt_grace_s=args.preempt_grace,
@@ -218,6 +232,65 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
         flags["seq_len"] = seq_len
     return Prepared(plan=plan, plan_doc=plan_doc, flags=flags, run=run, source=source, model_config=config,
                     tokenizer=tokenizer, data=data, init_note=init_note)
+
+
+PACKING_RULES = {
+    ("text", True): "documents joined by EOS and cut every {L} tokens (GPT-style: a document attends to the "
+                    "ones before it in its sequence; the EOS marks each boundary)",
+    ("text", False): "one document per sequence, padded; a longer one continues in the next sequence",
+    ("examples", True): "whole examples share a sequence while they fit, none split; each is trained on its own "
+                        "labels, and attends to the earlier examples in its sequence (--packing isolated: each only "
+                        "to itself; off: one per sequence)",
+    ("examples", False): "one example per sequence, padded (no example sees another)",
+    ("examples", "isolated"): "whole examples share a sequence while they fit, none split; each attends only to "
+                              "itself (positions restart at each example: a block-diagonal causal mask)",
+    ("text", "isolated"): "documents joined by EOS and cut every {L} tokens (isolation applies to examples only)",
+}
+"""What --packing does to each kind of data (memkit.train.data._pack_text / _pack_examples / _one_per_row)."""
+
+
+def start_lines(prepared: "Prepared", *, world: int, packing) -> list[str]:
+    """What the run will do, printed before it starts: data, epochs and steps, tokens per step,
+    packing and its boundary rule, eval and checkpoint cadence, where the logs go."""
+    from memkit.train.config import steps_for_epochs
+
+    run, data, plan, flags = prepared.run, prepared.data, prepared.plan, prepared.flags
+    micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
+    accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
+    dp = plan.dp if plan is not None else world
+    batch = micro * accum * dp
+    if run.num_epochs is not None:
+        steps = steps_for_epochs(run.num_epochs, num_sequences=data.num_sequences, global_batch_size=batch)
+        how = f"--num-epochs {run.num_epochs:g}"
+    else:
+        steps, how = run.max_steps, "--max-steps" if run.max_steps != 100 else "the default --max-steps"
+    epochs = steps * batch / data.num_sequences
+    lines = [f"data: {data.num_sequences:,} sequences of {data.seq_len} tokens from {data.source} ({data.kind}, "
+             f"{data.num_documents:,} records)"
+             + (f"; {data.num_truncated:,} example(s) cut to {data.seq_len} tokens (--truncate)" if data.num_truncated
+                else ""),
+             f"steps: {steps:,} ({how}) = {epochs:.3g} epoch(s); {batch} sequences x {data.seq_len} = "
+             f"{batch * data.seq_len:,} tokens per step (micro {micro} x accum {accum} x dp {dp})"]
+    if data.kind != "synthetic":
+        rule = PACKING_RULES[("text" if data.kind == "text" else "examples", packing)]
+        shown = packing if isinstance(packing, str) else ("on" if packing else "off")
+        lines.append(f"packing {shown}: {rule.format(L=data.seq_len)}")
+    if data.eval is not None:
+        every = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
+        lines.append(f"eval: {every}, on {data.eval.num_sequences:,} sequences of {data.eval.source}")
+    else:
+        lines.append("eval: none (no eval split; --eval-fraction 0.02 or --eval-data FILE adds one)")
+    out = run.output_dir
+    if run.save_every:
+        lines.append(f"checkpoints: every {run.save_every} steps in {out / 'checkpoints'} (newest "
+                     f"{run.keep_checkpoints} kept), and on SIGTERM/SIGINT")
+    else:
+        lines.append(f"checkpoints: on SIGTERM/SIGINT only, in {out / 'checkpoints'} (--save-every N adds periodic ones)")
+    board = {"tensorboard": f"; TensorBoard: {out / 'tensorboard'}", "none": ""}.get(
+        run.report_to, f"; metrics also to {run.report_to}")
+    lines.append(f"logs: {out / 'log.jsonl'}{board}; final model: "
+                 + (f"{out / 'final'}" if run.save_final else "not saved (--no-save-final)"))
+    return lines
 
 
 def _env_int(name: str) -> int | None:
@@ -266,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     run = prepared.run
     if rank == 0 and prepared.init_note:
         sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
+    if rank == 0:
+        packing = {"on": True, "off": False}.get(args.packing, args.packing)
+        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=packing):
+            sys.stderr.write(f"memkit: {line}\n")
 
     import torch
 

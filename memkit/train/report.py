@@ -28,7 +28,7 @@ def predicted_figures(plan_doc: dict | None) -> dict:
     return out
 
 
-def cpu_priced(plan_doc: dict, plan: TrainingPlan, config_path) -> dict:
+def cpu_priced(plan_doc: dict, plan: TrainingPlan, config_path, *, spec=None) -> dict:
     """plan.json with its memory estimate priced for the CPU (estimate_memory(device='cpu')): on a
     CPU the runner measures live tensors, which the CPU estimate predicts, while plan.json's
     estimate is for the GPU (CUDA context, cuBLAS workspace, caching-allocator rounding); comparing
@@ -39,7 +39,8 @@ def cpu_priced(plan_doc: dict, plan: TrainingPlan, config_path) -> dict:
     from memkit.spec.hf import load_model_spec
 
     hardware = hardware_from_dict(plan_doc["hardware"])
-    est = estimate_memory(load_model_spec(str(config_path)), plan, hardware, device="cpu")
+    est = estimate_memory(spec if spec is not None else load_model_spec(str(config_path)), plan, hardware,
+                          device="cpu")
     figures = {k: v for k, v in est.to_dict().items()  # a CPU has no reserved pool and no CUDA context
                if k not in ("reserved_peak_bytes", "nvidia_smi_peak_bytes")}
     return {**plan_doc, "estimate": figures, "estimate_device": "cpu"}

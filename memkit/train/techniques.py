@@ -86,10 +86,17 @@ def apply_loss(model, plan: TrainingPlan):
 def micro_loss_sum(model, head, batch: dict, standard_loss_sum):
     """Sum of the micro-batch's token losses: through the chunked head, or the model's logits
     and `standard_loss_sum(logits, labels)`."""
+    # --packing isolated: per-example position ids, no 2D mask and no KV cache, from which transformers
+    # builds the block-diagonal causal mask (masking_utils._preprocess_mask_arguments: only when
+    # attention_mask and the cache are None; memkit.train.data.PackedData.position_ids)
+    isolated = batch.get("position_ids") is not None
+    mask = ({"position_ids": batch["position_ids"], "use_cache": False} if isolated
+            else {"attention_mask": batch.get("attention_mask")})
     if head is None:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        logits = model(input_ids=batch["input_ids"], **mask).logits
         return standard_loss_sum(logits, batch["labels"])
     from memkit.train.chunked_loss import loss_sum
 
-    return loss_sum(model, head, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    labels=batch["labels"])
+    return loss_sum(model, head, input_ids=batch["input_ids"], labels=batch["labels"],
+                    attention_mask=None if isolated else batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"))  # loss_sum turns the cache off itself

@@ -52,7 +52,10 @@ def test_out_writes_the_bundle_and_explain_reads_it_back(tmp_path, capsys):
     assert ds["zero_optimization"]["stage"] == doc["plan"]["zero_stage"]
     command = (f"accelerate launch --config_file {out_dir}/accelerate.yaml -m memkit.finetune "
                f"--plan {out_dir}/plan.json --model meta-llama/Llama-3.1-8B")  # the weights, not the catalog config
-    assert command in (out_dir / "README.md").read_text() and command in out
+    assert command in (out_dir / "README.md").read_text()  # the raw line stays in the README
+    printed = (f"memkit train --plan {out_dir}/plan.json --model meta-llama/Llama-3.1-8B --data train.jsonl "
+               f"--output-dir {out_dir}/run --main-process-port 29500")  # what is printed: the checked path
+    assert printed in (out_dir / "README.md").read_text() and printed in out
     assert "--init random --max-steps 20" in (out_dir / "README.md").read_text()  # the smoke test says so
     assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
