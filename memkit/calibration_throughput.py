@@ -35,6 +35,16 @@ _ENGINES = {"fsdp": "torch", "ddp": "torch", "single": "torch", "deepspeed": "de
             "fairscale_sharded_ddp": "torch"}
 
 
+# Versions of the holdout sources (benchmarks/data/SOURCES_holdout.md): VectorLM's
+# docs/reference_throughput.md prints its pip freeze (torch==2.2.1); torchtune's README tables of
+# 2024-09 / 2024-11 ran on the nightlies of then (torchtune pins no torch; 2.5 is the release
+# between them).
+_HOLDOUT_STACKS = {
+    "vectorlm_reference_throughput": Stack(torch="2.2.1"),
+    "torchtune_readme": Stack(torch="2.5"),
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ThroughputCase:
     case_id: str
@@ -89,7 +99,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
-    stack = _stack(record, approx)
+    stack = _HOLDOUT_STACKS.get(source) or _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
                           backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
@@ -209,12 +219,15 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     lora_kw = {}
     if record.get("finetune_type") == "lora":
         lora = record.get("lora") or {}
-        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=_lora_targets(model, lora.get("targets")))
+        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=_lora_role_targets(model, lora.get("targets")),
+                       lora_alpha=int(lora.get("alpha", 16)), lora_dropout=float(lora.get("dropout", 0.05)))
     plan = TrainingPlan(
         precision=_PRECISIONS[record["precision"]], optimizer=_optimizer(record), zero_stage=int(zero),
         engine=engine, offload_optimizer="cpu" if record.get("offload_optimizer") not in (None, "none") else "none",
         offload_params="cpu" if record.get("offload_params") not in (None, "none") else "none",
         checkpointing="full" if ac == "full" else "none", attention=attention,
+        loss=record.get("loss") or "standard", offload_activations=record.get("offload_activations") or "none",
+        optimizer_in_backward=bool(record.get("optimizer_in_backward")),
         micro_batch_size=int(record["micro_batch_size"]), grad_accum=int(record["grad_accum"] or 1),
         seq_len=int(record["seq_len"]), dp=n // (tp * pp), tp=tp, pp=pp,
         tp_engine="tp_plan" if engine == "torch" else "autotp", sequence_parallel=tp > 1 and engine == "torch",
@@ -235,6 +248,16 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
         approx.append("inter-node bandwidth unstated: DGX H100 400 Gb/s per GPU assumed")
     hardware = Hardware(gpu=gpu, num_gpus_per_node=min(per_node, n), num_nodes=max(1, n // per_node), **hw_kw)
     return plans, hardware
+
+
+def _lora_role_targets(model: ModelSpec, targets) -> tuple[str, ...]:
+    """A list of linear roles (q, k, v, o, gate, up, down: the holdout records state torchtune's
+    lora_attn_modules / apply_lora_to_mlp that way) as the spec's linear names; any other form goes
+    through memkit/calibration.py _lora_targets."""
+    by_role = {lin.role: lin.name for lin in model.layer_linears}
+    if isinstance(targets, list) and targets and all(t in by_role for t in targets):
+        return tuple(by_role[t] for t in targets)
+    return _lora_targets(model, targets)
 
 
 def _attention(record: dict) -> str:
