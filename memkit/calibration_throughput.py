@@ -69,6 +69,8 @@ class ThroughputCase:
     backward_prefetch: str = "pre"
     compiled: bool = False
     """The run wraps the model in torch.compile (the record's `compile`)."""
+    lora_adapter_dtype: str | None = None
+    """The LoRA adapters' dtype where the source states it (the record's lora.adapter_dtype)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -103,6 +105,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
                           backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
+                          lora_adapter_dtype=_lora_adapter_dtype(record),
                           approx=tuple(approx), **base)
 
 
@@ -114,6 +117,17 @@ def _backward_prefetch(record: dict) -> str:
     if record["source_id"] == "llm_foundry_benchmarks" and record["engine"] == "fsdp":
         return "post"
     return "pre"
+
+
+def _lora_adapter_dtype(record: dict) -> str | None:
+    """The record's lora.adapter_dtype; lit-gpt's LoRA is its own (lit_gpt/lora.py LoRALinear, not
+    peft) and Fabric's "bf16-true" precision converts the whole model, adapters included, to bf16
+    (lightning/fabric/plugins/precision/half.py HalfPrecision.convert_module)."""
+    if record.get("finetune_type") not in ("lora", "qlora"):
+        return None
+    if record["source_id"] == "litgpt_resource_tables":
+        return "bf16"
+    return (record.get("lora") or {}).get("adapter_dtype")
 
 
 def _reduce_itemsize(record: dict) -> int | None:
@@ -297,7 +311,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
         ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
                                    reduce_itemsize=case.reduce_itemsize,
                                    backward_prefetch=case.backward_prefetch,
-                                   compiled=case.compiled) for p in case.plans]
+                                   compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype)
+                for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]

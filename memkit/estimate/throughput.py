@@ -207,7 +207,8 @@ def _elt(plan: TrainingPlan) -> int:
     return 4 if plan.precision == "fp32" else 2
 
 
-def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, tokens: int) -> _Pass:
+def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, tokens: int, *,
+                 fp32_adapters: bool = False) -> _Pass:
     """One nn.Linear (or a 3-D expert weight) forward and backward; the weight gradient only when
     the weight trains (LoRA freezes it: activation gradients only, Hu et al. 2021, Sec. 4)."""
     prec = plan.precision
@@ -231,15 +232,69 @@ def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, to
         per_param = 1 + (not plan.is_lora)
         ops += per_param * (1 + lin.bias) + (2 if lin.role in NORM_FED_ROLES else 0)
     if plan.is_lora and lin.name in plan.lora_targets:
-        r, e = plan.lora_rank, _elt(plan)
-        fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)
-                + kernels.memory_time_s(gpu, 3 * e * m * n_out))                 # x A, (xA) B, add
-        if plan.lora_dropout > 0:   # peft LoRA Linear: dropout(x) feeds A (peft/tuners/lora/layer.py)
-            drop = kernels.memory_time_s(gpu, (2 * e + 1) * m * k_in)
-            fwd, bwd = fwd + drop, bwd + 2 * drop
-        bwd += (kernels.gemm_time_s(gpu, prec, m, r, n_out) + kernels.gemm_time_s(gpu, prec, m, k_in, r)
-                + kernels.gemm_time_s(gpu, prec, r, n_out, m) + kernels.gemm_time_s(gpu, prec, k_in, r, m))
-        ops += 8
+        adapter = lora_adapter_pass(gpu, plan, m, k_in, n_out, fp32_adapters=fp32_adapters)
+        fwd, bwd, ops = fwd + adapter.fwd_s, bwd + adapter.bwd_s, ops + adapter.num_ops
+    return _Pass(fwd, bwd, ops)
+
+
+def peft_fp32_adapters(plan: TrainingPlan, adapter_dtype: str | None = None) -> bool:
+    """Whether a LoRA plan's adapter weights are fp32 while the base runs in 16 bits.
+    peft's get_peft_model(..., autocast_adapter_dtype=True) (the default) upcasts fp16/bf16 adapter
+    weights to fp32 (peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype), and memkit's runs
+    (train/model.py apply_plan) and the Trainer scripts it writes keep that default. DeepSpeed's
+    engine later casts the whole module to the training dtype (deepspeed/runtime/engine.py
+    DeepSpeedEngine._configure_distributed_model: module.half() / .bfloat16()), as the memory model
+    assumes too (estimate/activations.py adapter_itemsize). `adapter_dtype` states it for runs
+    outside memkit ("fp32", or "bf16"/"fp16" where the framework casts the model after peft, e.g.
+    VectorLM's lora_model.bfloat16(), or runs its own LoRA in the model dtype, e.g. torchtune's
+    LoRALinear)."""
+    if not plan.is_lora or plan.precision == "fp32":
+        return False
+    if adapter_dtype is not None:
+        return adapter_dtype == "fp32"
+    return plan.engine != "deepspeed"
+
+
+def lora_adapter_pass(gpu: GPU, plan: TrainingPlan, m: float, k_in: int, n_out: int, *,
+                      fp32_adapters: bool) -> _Pass:
+    """One LoRA adapter of rank r on an m x k_in -> n_out linear, forward and backward, as peft's
+    Linear.forward runs it (peft/tuners/lora/layer.py Linear.forward):
+
+        x = self._cast_input_dtype(x, lora_A.weight.dtype)     # x.to(adapter dtype), when it differs
+        result = result + lora_B(lora_A(dropout(x))) * scaling
+        result = result.to(torch_result_dtype)
+
+    16-bit adapters: x A and (xA) B in the compute dtype, dropout, scale and add at 16-bit width.
+    fp32 adapters (peft_fp32_adapters): the cast x.to(fp32) and dropout run at fp32 width. Under
+    autocast (fp16/bf16 mixed) F.linear casts its fp32 input back to 16 bits (aten autocast_mode.cpp,
+    linear is on the lower-precision list), so the GEMMs stay on the tensor cores and the input
+    pays two casts each way. Without autocast (bf16-pure) the four adapter GEMMs of backward and two
+    of forward run in fp32 on the CUDA cores (kernels.gemm_time_s "fp32"), and the scale, the add
+    (16-bit result + fp32 delta promotes to fp32) and the cast back are fp32-wide passes. Each cast
+    and elementwise op has a backward of the same width; dropout keeps a 1-byte mask."""
+    r, e = plan.lora_rank, _elt(plan)
+    autocast = plan.is_mixed
+    x_e = 4 if fp32_adapters else e                  # width of x as dropout and lora_A see it
+    gemm_prec = "fp32" if fp32_adapters and not autocast else plan.precision
+    out_e = 4 if fp32_adapters and not autocast else e   # width of the adapter's output, scale and add
+    fwd = kernels.gemm_time_s(gpu, gemm_prec, m, r, k_in) + kernels.gemm_time_s(gpu, gemm_prec, m, n_out, r)
+    bwd = (kernels.gemm_time_s(gpu, gemm_prec, m, r, n_out) + kernels.gemm_time_s(gpu, gemm_prec, m, k_in, r)
+           + kernels.gemm_time_s(gpu, gemm_prec, r, n_out, m) + kernels.gemm_time_s(gpu, gemm_prec, k_in, r, m))
+    ops = 8
+    if fp32_adapters and not autocast:
+        # * scaling (read + write fp32), result + delta -> fp32 (2 + 4 read, 4 written), .to(16 bits)
+        out = kernels.memory_time_s(gpu, (2 * 4 + (e + 4 + 4) + (4 + e)) * m * n_out)
+        fwd, bwd, ops = fwd + out, bwd + out, ops + 2
+    else:
+        fwd += kernels.memory_time_s(gpu, 3 * e * m * n_out)                     # scale + add
+    if fp32_adapters:
+        cast = kernels.memory_time_s(gpu, (e + 4) * m * k_in)                    # x.to(fp32)
+        if autocast:
+            cast *= 2                                                          # and autocast's back
+        fwd, bwd, ops = fwd + cast, bwd + cast, ops + (4 if autocast else 2)
+    if plan.lora_dropout > 0:   # peft: nn.Dropout feeds A (nn.Identity when lora_dropout is 0)
+        drop = kernels.memory_time_s(gpu, (2 * x_e + 1) * m * k_in)
+        fwd, bwd = fwd + drop, bwd + 2 * drop
     return _Pass(fwd, bwd, ops)
 
 
@@ -314,18 +369,18 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
 
 
 def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
-                *, early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, _Pass]:
+                *, early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
     for lin in linears:
-        total = total + _linear_pass(gpu, plan, model, lin, tokens)
+        total = total + _linear_pass(gpu, plan, model, lin, tokens, fp32_adapters=fp32_adapters)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
     total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled)
     recompute_s = total.fwd_s
     last = linears[-1] if linears else None
     if early_stop and last is not None and _output_unsaved(plan, model, last):
-        recompute_s -= _linear_pass(gpu, plan, model, last, tokens).fwd_s
+        recompute_s -= _linear_pass(gpu, plan, model, last, tokens, fp32_adapters=fp32_adapters).fwd_s
     return total, _Pass(recompute_s, 0.0, total.num_ops // 3)
 
 
@@ -354,17 +409,18 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
 
 
 def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                   early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, float]:
+                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
+                   ) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
     checkpoint recompute stops after the block's last saved tensor (_output_unsaved); compiled: the
     run uses torch.compile (_elementwise_pass)."""
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled)
+                                   compiled=compiled, fp32_adapters=fp32_adapters)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
         enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled)
+                                   compiled=compiled, fp32_adapters=fp32_adapters)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -582,7 +638,8 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
-                       backward_prefetch: str = "pre", compiled: bool = False) -> StepTimeEstimate:
+                       backward_prefetch: str = "pre", compiled: bool = False,
+                       lora_adapter_dtype: str | None = None) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -593,7 +650,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     (BACKWARD_PRE: torch's and Accelerate's default, and what FSDP2 always does) or "post"
     (BACKWARD_POST: Composer's default, composer/trainer/dist_strategy.py).
     `compiled`: the run wraps the model in torch.compile (fused norms, _elementwise_pass); memkit's
-    own runs and the Trainer files it writes are eager."""
+    own runs and the Trainer files it writes are eager.
+    `lora_adapter_dtype`: the dtype a LoRA run's adapters are in, where the framework is not peft's
+    default (peft_fp32_adapters); None = what memkit's own runs get."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     gpu = hardware.gpu
@@ -602,7 +661,8 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
     # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
     passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
-                                         early_stop=behaviour(stack).checkpoint_early_stop, compiled=compiled)
+                                         early_stop=behaviour(stack).checkpoint_early_stop, compiled=compiled,
+                                         fp32_adapters=peft_fp32_adapters(plan, lora_adapter_dtype))
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)

@@ -1,0 +1,96 @@
+"""Hand-worked checks of the fine-tuning step-time terms (memkit/estimate/throughput.py), each
+from the library's source: peft's fp32 LoRA adapters (peft/tuners/lora/layer.py Linear.forward,
+peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memkit.estimate import kernels
+from memkit.estimate import throughput as tp_model
+from memkit.estimate.throughput import estimate_step_time
+from memkit.plan import TrainingPlan
+from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.hf import load_model_spec
+
+LLAMA1B = load_model_spec("llama-3.2-1b")
+A100 = find_gpu("a100-80gb")
+ONE_A100 = Hardware(gpu=A100, num_gpus_per_node=1)
+
+
+def test_peft_keeps_adapters_fp32_on_a_bf16_base_and_casts_the_input_to_them():
+    """The premise of peft_fp32_adapters, on the real peft: get_peft_model's default
+    autocast_adapter_dtype=True upcasts the adapters of a bf16 base to fp32, and Linear.forward
+    hands lora_A (through dropout) an fp32 input while the base output stays bf16."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False)).to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["0"], lora_dropout=0.1))
+    layer = model.base_model.model[0]
+    assert layer.base_layer.weight.dtype == torch.bfloat16
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    assert layer.lora_B["default"].weight.dtype == torch.float32
+    seen = {}
+    layer.lora_A["default"].register_forward_hook(lambda m, i, o: seen.update(inp=i[0].dtype, out=o.dtype))
+    out = model(torch.randn(3, 16, dtype=torch.bfloat16))
+    assert seen == {"inp": torch.float32, "out": torch.float32}   # fp32 GEMM without autocast
+    assert out.dtype == torch.bfloat16                              # result.to(torch_result_dtype)
+
+
+def test_which_runs_get_fp32_adapters():
+    lora = dict(lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert tp_model.peft_fp32_adapters(TrainingPlan(engine="torch", precision="bf16-pure", **lora))
+    assert tp_model.peft_fp32_adapters(TrainingPlan(engine="torch", precision="bf16", **lora))
+    # DeepSpeed casts the whole module to the training dtype (engine._configure_distributed_model)
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(engine="deepspeed", precision="bf16-pure", **lora))
+    # a framework that casts after peft (VectorLM's .bfloat16()) or has its own LoRA (torchtune)
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(engine="torch", precision="bf16-pure", **lora), "bf16")
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(engine="torch", precision="fp32", **lora))
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(engine="torch", precision="bf16-pure"))
+
+
+def test_fp32_adapters_without_autocast_run_their_six_gemms_on_the_cuda_cores_by_hand():
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", lora_rank=16, lora_targets=("q_proj",),
+                        lora_dropout=0.0)
+    m, k, n, r = 4096.0, 2048, 2048, 16
+    fp32 = tp_model.lora_adapter_pass(A100, plan, m, k, n, fp32_adapters=True)
+    gemm = lambda prec, a, b, c: kernels.gemm_time_s(A100, prec, a, b, c)  # noqa: E731
+    mem = lambda nbytes: kernels.memory_time_s(A100, nbytes)  # noqa: E731
+    # forward: x.to(fp32) (2 B read, 4 written per input element), x A and (xA) B in fp32,
+    # * scaling (4 + 4), bf16 result + fp32 delta -> fp32 (2 + 4 read, 4 written), .to(bf16) (4 + 2)
+    fwd = (mem(6 * m * k) + gemm("fp32", m, r, k) + gemm("fp32", m, n, r) + mem((8 + 10 + 6) * m * n))
+    # backward: the four adapter GEMMs in fp32 and a backward of the same width per elementwise op
+    bwd = (gemm("fp32", m, r, n) + gemm("fp32", m, k, r) + gemm("fp32", r, n, m) + gemm("fp32", k, r, m)
+           + mem(6 * m * k) + mem((8 + 10 + 6) * m * n))
+    assert fp32.fwd_s == pytest.approx(fwd, rel=1e-12)
+    assert fp32.bwd_s == pytest.approx(bwd, rel=1e-12)
+    # the same adapter in bf16 (DeepSpeed's cast, or torchtune's LoRALinear): tensor-core GEMMs
+    bf16 = tp_model.lora_adapter_pass(A100, plan, m, k, n, fp32_adapters=False)
+    assert bf16.fwd_s == pytest.approx(gemm("bf16-pure", m, r, k) + gemm("bf16-pure", m, n, r) + mem(6 * m * n))
+    assert fp32.fwd_s > 3 * bf16.fwd_s
+
+
+def test_fp32_adapters_under_autocast_keep_bf16_gemms_and_pay_the_casts_and_fp32_dropout():
+    plan = TrainingPlan(engine="torch", precision="bf16", lora_rank=8, lora_targets=("q_proj",),
+                        lora_dropout=0.05)
+    m, k, n, r = 2048.0, 2048, 512, 8
+    got = tp_model.lora_adapter_pass(A100, plan, m, k, n, fp32_adapters=True)
+    gemm = lambda a, b, c: kernels.gemm_time_s(A100, "bf16", a, b, c)  # noqa: E731
+    mem = lambda nbytes: kernels.memory_time_s(A100, nbytes)  # noqa: E731
+    casts = 2 * mem(6 * m * k)            # x.to(fp32) by peft, back to bf16 by autocast's F.linear
+    drop = mem((2 * 4 + 1) * m * k)       # fp32 dropout: read, write, 1-byte mask
+    assert got.fwd_s == pytest.approx(gemm(m, r, k) + gemm(m, n, r) + mem(6 * m * n) + casts + drop, rel=1e-12)
+    assert got.bwd_s == pytest.approx(gemm(m, r, n) + gemm(m, k, r) + gemm(r, n, m) + gemm(k, r, m)
+                                      + casts + 2 * drop, rel=1e-12)
+
+
+def test_a_peft_lora_step_can_be_slower_than_full_fine_tuning_at_the_same_shape():
+    """bf16-pure, every block linear at rank 64, one A100: the fp32 adapter GEMMs cost more than
+    the weight gradients LoRA saves; with bf16 adapters LoRA is faster, as expected."""
+    shape = dict(engine="torch", precision="bf16-pure", micro_batch_size=4, seq_len=2048, attention="sdpa")
+    full = estimate_step_time(LLAMA1B, TrainingPlan(**shape), ONE_A100).step_time_s
+    lora = TrainingPlan(**shape, lora_rank=64, lora_targets=LLAMA1B.linear_names())
+    peft = estimate_step_time(LLAMA1B, lora, ONE_A100).step_time_s
+    cast = estimate_step_time(LLAMA1B, lora, ONE_A100, lora_adapter_dtype="bf16").step_time_s
+    assert peft > full > cast
