@@ -71,6 +71,8 @@ class ThroughputCase:
     """The run wraps the model in torch.compile (the record's `compile`)."""
     lora_adapter_dtype: str | None = None
     """The LoRA adapters' dtype where the source states it (the record's lora.adapter_dtype)."""
+    offload_streams: bool = False
+    """Activation offload on a side stream (the record's offload_activations_streams)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -106,6 +108,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
                           backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
                           lora_adapter_dtype=_lora_adapter_dtype(record),
+                          offload_streams=bool(record.get("offload_activations_streams")),
                           approx=tuple(approx), **base)
 
 
@@ -311,7 +314,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
         ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
                                    reduce_itemsize=case.reduce_itemsize,
                                    backward_prefetch=case.backward_prefetch,
-                                   compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype)
+                                   compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
+                                   offload_streams=case.offload_streams)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

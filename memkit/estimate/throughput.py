@@ -591,7 +591,20 @@ def _overlapped(comm_s: float, window_s: float) -> float:
     return max(0.0, comm_s - window_s) + OVERLAP_COMPUTE_COST * min(comm_s, window_s)
 
 
-def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float) -> _Comm:
+def activation_offload_exposed_s(moved_s: float, *, fwd_s: float, bwd_s: float) -> float:
+    """PCIe time of activation offload that a side stream does not hide. torchtune's
+    OffloadActivations(use_streams=True) (torchtune/training/_activation_offloading.py) copies each
+    saved tensor device->host on its own stream as forward goes on (the compute stream waits only
+    for the copy of a tensor it is about to free, one layer behind), and in backward prefetches the
+    next layer's tensors host->device on that stream while the current layer's backward runs. Half
+    of moved_s (activation_offload_transfer_s: out and back) goes each way; each half costs what
+    sticks out of its pass's compute (the copies run on the copy engines, not the SMs)."""
+    half = moved_s / 2
+    return max(0.0, half - fwd_s) + max(0.0, half - bwd_s)
+
+
+def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float, *, fwd_s: float = 0.0,
+             offload_streams: bool = False) -> _Comm:
     """ZeRO-Offload (Ren et al. 2021, Sec. 4): 16-bit grads GPU->CPU during backward, CPU-Adam on the
     host, updated 16-bit params back after the step; ZeRO-3 param offload crosses PCIe twice."""
     gpu = hardware.gpu
@@ -608,8 +621,12 @@ def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: fl
         step += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
         if plan.offload_optimizer == "nvme":
             step += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
-    if plan.offload_activations != "none":  # saved activations out and back, on the compute stream
-        micro += activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
+    if plan.offload_activations != "none":
+        moved = activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
+        if offload_streams:
+            micro += activation_offload_exposed_s(moved, fwd_s=fwd_s, bwd_s=bwd_s)
+        else:   # memkit's runner copies on the compute stream (train/backward_techniques.py)
+            micro += moved
     if plan.offload_params != "none":
         p_part = model.num_params / shard / plan.dp * e
         micro += 2 * p_part / pcie
@@ -639,7 +656,7 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
                        backward_prefetch: str = "pre", compiled: bool = False,
-                       lora_adapter_dtype: str | None = None) -> StepTimeEstimate:
+                       lora_adapter_dtype: str | None = None, offload_streams: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -652,7 +669,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     `compiled`: the run wraps the model in torch.compile (fused norms, _elementwise_pass); memkit's
     own runs and the Trainer files it writes are eager.
     `lora_adapter_dtype`: the dtype a LoRA run's adapters are in, where the framework is not peft's
-    default (peft_fp32_adapters); None = what memkit's own runs get."""
+    default (peft_fp32_adapters); None = what memkit's own runs get.
+    `offload_streams`: activation offload copies on a side stream that overlaps compute
+    (activation_offload_exposed_s: torchtune's); memkit's runner copies on the compute stream."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     gpu = hardware.gpu
@@ -670,7 +689,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
                   backward_prefetch=backward_prefetch)
-    off = _offload(plan, model, hardware, t_bwd + t_recompute)
+    off = _offload(plan, model, hardware, t_bwd + t_recompute, fwd_s=t_fwd, offload_streams=offload_streams)
 
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h
     # activations forward and two backward per block (sequence parallel swaps each for an

@@ -1,6 +1,7 @@
 """Hand-worked checks of the fine-tuning step-time terms (memkit/estimate/throughput.py), each
 from the library's source: peft's fp32 LoRA adapters (peft/tuners/lora/layer.py Linear.forward,
-peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype)."""
+peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype) and torchtune's side-stream
+activation offload (torchtune/training/_activation_offloading.py OffloadActivations)."""
 from __future__ import annotations
 
 import pytest
@@ -94,3 +95,21 @@ def test_a_peft_lora_step_can_be_slower_than_full_fine_tuning_at_the_same_shape(
     peft = estimate_step_time(LLAMA1B, lora, ONE_A100).step_time_s
     cast = estimate_step_time(LLAMA1B, lora, ONE_A100, lora_adapter_dtype="bf16").step_time_s
     assert peft > full > cast
+
+
+def test_activation_offload_on_a_side_stream_costs_only_what_sticks_out_of_each_pass():
+    """torchtune OffloadActivations(use_streams=True): out during forward, back during backward,
+    each hidden behind its pass; memkit's runner copies on the compute stream (all exposed)."""
+    assert tp_model.activation_offload_exposed_s(2.0, fwd_s=0.4, bwd_s=0.5) == pytest.approx(0.6 + 0.5)
+    assert tp_model.activation_offload_exposed_s(2.0, fwd_s=1.0, bwd_s=2.0) == 0.0
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=4096,
+                        checkpointing="full", offload_activations="cpu")
+    base = estimate_step_time(LLAMA1B, TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2,
+                                                    seq_len=4096, checkpointing="full"), ONE_A100)
+    exposed = estimate_step_time(LLAMA1B, plan, ONE_A100)
+    streamed = estimate_step_time(LLAMA1B, plan, ONE_A100, offload_streams=True)
+    moved = tp_model.activation_offload_transfer_s(LLAMA1B, plan, A100.pcie_gbps)
+    assert exposed.step_time_s - base.step_time_s == pytest.approx(moved, rel=1e-9)
+    # on the side stream the copies hide behind forward and backward, up to what sticks out
+    assert base.step_time_s <= streamed.step_time_s < exposed.step_time_s
+    assert streamed.step_time_s - base.step_time_s < moved / 2
