@@ -15,7 +15,7 @@ Per GPU and per optimizer step (m = grad_accum micro-steps):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from memkit.estimate import kernels
@@ -107,6 +107,26 @@ parameterised submodules (~40 calls) fetch, release and track partitioned parame
 wait on the fetches, at ~50-75 us a call (deepspeed/runtime/zero/parameter_offload.py,
 partitioned_param_coordinator.py). Not hidden by prefetch, and independent of the micro-batch.
 FSDP gathers one flat parameter per wrapped block instead, so it pays no such per-module cost."""
+
+ZERO12_OPS_PER_GRAD = 6
+"""Dispatched ops DeepSpeed ZeRO-1/2 issues per gradient tensor each time it handles it
+(deepspeed 0.19 runtime/zero/stage_1_and_2.py): reduce_independent_p_g_buckets_and_remove_grads
+narrows the ipg bucket buffer, copy_()s the gradient into it (contiguous_gradients) and re-views
+param.grad onto it (3); reduce_ipg_grads -> copy_grads_in_partition narrows grads_in_partition,
+copy_()s the rank's part and re-views it (3). Stage 2 runs this from each parameter's
+grad-accumulation hook (create_gradient_handling_hooks -> process_gradients, partition_gradients)
+in every micro-step's backward; stage 1 only at the accumulation boundary
+(reduce_ready_partitions_and_remove_grads: is_gradient_accumulation_boundary), from
+reduce_gradients after backward."""
+
+ZERO3_DEBUG_CALLS_PER_PARAM = 4
+"""DeepSpeed < 0.9.4 only: PartitionedParameterCoordinator.fetch_sub_module and __release_param
+built their debug strings even with logging off -- per parameter of each fetched submodule
+f"-fetch: {param.ds_summary()}", "-wait: ...", "-release: ..." and, for prefetched ones,
+"-prefetch: ...", each ds_summary() a dict of the param's ds_* fields formatted to text; removed
+by deepspeedai/DeepSpeed#3622 ("zero3 performance optimizations", v0.9.4,
+partitioned_param_coordinator.py: `if logger.isEnabledFor(logging.DEBUG)`). Each is priced as
+one dispatched op's worth of Python (OP_DISPATCH_S), in forward and again in backward."""
 
 STEP_OVERHEAD_S = 10e-3
 """Fixed per optimizer step: gradient-norm clipping, overflow checks, scheduler, logging."""
@@ -635,6 +655,22 @@ def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: fl
     return _Comm(micro_s=micro, boundary_s=step)
 
 
+def zero12_grad_handling(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tuple[float, int]:
+    """(GPU seconds, dispatched ops) of one pass of DeepSpeed ZeRO-1/2's gradient handling over
+    this GPU's trainable tensors (ZERO12_OPS_PER_GRAD): with contiguous_gradients (its default,
+    runtime/zero/config.py) each 16-bit gradient is copied into the ipg bucket (read + write) and
+    the rank's 1/dp part copied again into grads_in_partition (stage_1_and_2.py
+    copy_grads_in_partition). Stage 2 pays it every micro-step, stage 1 once per optimizer step;
+    (0, 0) for other engines and stages or with contiguous_gradients off."""
+    if plan.engine != "deepspeed" or plan.zero_stage not in (1, 2) or not plan.contiguous_gradients:
+        return 0.0, 0
+    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
+                 else model.num_params) / (plan.tp * plan.pp)
+    e = _grad_bytes(plan)
+    copy_s = kernels.memory_time_s(gpu, 2 * e * trainable + 2 * e * trainable / plan.dp)
+    return copy_s, _param_tensors(model, plan) * ZERO12_OPS_PER_GRAD
+
+
 def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
     """Trainable parameter tensors this GPU steps: weights (+ biases) of each block's linears, the
     norms' weights (+ biases), embeddings and head; two per adapted linear under LoRA."""
@@ -685,6 +721,14 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
+    # ZeRO-2 handles every gradient in each micro-step's backward, ZeRO-1 once at the boundary
+    # (zero12_grad_handling): on the compute stream, and its ops are host work like any other.
+    grad_copy_s, grad_ops = zero12_grad_handling(plan, model, gpu)
+    micro_copy_s, boundary_copy_s = (grad_copy_s, 0.0) if plan.zero_stage == 2 else (0.0, grad_copy_s)
+    if plan.zero_stage == 2:
+        t_gpu, ops = t_gpu + micro_copy_s, ops + grad_ops
+    else:
+        boundary_copy_s = max(grad_copy_s, grad_ops * OP_DISPATCH_S)
     t_host = ops * OP_DISPATCH_S
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
@@ -711,8 +755,12 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         t_pp = 2 * act / (pp_bw * GB)
         bubble = (m + plan.pp - 1) / m
 
-    t_zero3 = (model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
-               if plan.zero_stage == 3 and plan.engine == "deepspeed" else 0.0)
+    t_zero3 = 0.0
+    if plan.zero_stage == 3 and plan.engine == "deepspeed":
+        t_zero3 = model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
+        if behaviour(stack).zero3_debug_strings:   # DeepSpeed < 0.9.4 (ZERO3_DEBUG_CALLS_PER_PARAM)
+            per_pass = _param_tensors(model, replace(plan, lora_rank=0))   # every param is fetched, frozen too
+            t_zero3 += 2 * per_pass * ZERO3_DEBUG_CALLS_PER_PARAM * OP_DISPATCH_S
     host_excess = max(0.0, t_host - t_gpu)
     micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
 
@@ -734,7 +782,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
             t_opt = max(t_opt, _param_tensors(model, plan) * IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
                         * OP_DISPATCH_S)
 
-    step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
+    step = micro * m * bubble + dp.boundary_s + off.boundary_s + boundary_copy_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)
     tokens_step = plan.tokens_per_step
     model_flops_step = model_fpt * tokens_step
@@ -745,6 +793,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         "recompute": t_recompute * m,
         "pipeline_bubble": micro * m * (bubble - 1.0),
         "dp_comm": dp.micro_s * m + dp.boundary_s,
+        "zero_grad_copies": micro_copy_s * m + boundary_copy_s,
         "tp_comm": t_tp * m,
         "pp_comm": t_pp * m,
         "offload_transfer": off.micro_s * m + off.boundary_s,

@@ -1,7 +1,9 @@
 """Hand-worked checks of the fine-tuning step-time terms (memkit/estimate/throughput.py), each
 from the library's source: peft's fp32 LoRA adapters (peft/tuners/lora/layer.py Linear.forward,
-peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype) and torchtune's side-stream
-activation offload (torchtune/training/_activation_offloading.py OffloadActivations)."""
+peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype), torchtune's side-stream activation
+offload (torchtune/training/_activation_offloading.py OffloadActivations), DeepSpeed ZeRO-1 vs
+ZeRO-2 gradient handling (runtime/zero/stage_1_and_2.py) and ZeRO-3's per-release debug strings
+before v0.9.4 (runtime/zero/partitioned_param_coordinator.py)."""
 from __future__ import annotations
 
 import pytest
@@ -113,3 +115,44 @@ def test_activation_offload_on_a_side_stream_costs_only_what_sticks_out_of_each_
     # on the side stream the copies hide behind forward and backward, up to what sticks out
     assert base.step_time_s <= streamed.step_time_s < exposed.step_time_s
     assert streamed.step_time_s - base.step_time_s < moved / 2
+
+
+def _ds(stage: int, **kw) -> TrainingPlan:
+    return TrainingPlan(engine="deepspeed", precision="bf16", zero_stage=stage, micro_batch_size=2, seq_len=2048, **kw)
+
+
+def test_zero2_handles_every_gradient_each_micro_step_and_zero1_once_per_step_by_hand():
+    """deepspeed runtime/zero/stage_1_and_2.py: with contiguous_gradients each 16-bit gradient is
+    copied into the ipg bucket and the rank's part into grads_in_partition; 6 ops per tensor."""
+    hw = Hardware(gpu=A100, num_gpus_per_node=1)
+    copy_s, ops = tp_model.zero12_grad_handling(_ds(2, grad_accum=4), LLAMA1B, A100)
+    n = LLAMA1B.num_params
+    assert copy_s == pytest.approx(kernels.memory_time_s(A100, 2 * 2 * n + 2 * 2 * n / 1), rel=1e-12)
+    tensors = tp_model._param_tensors(LLAMA1B, _ds(2))
+    assert ops == tensors * 6
+    # Llama 3.2 1B: 16 blocks x (7 linears + 2 norms) + embedding, final norm, head = 147 tensors
+    assert tensors == 16 * 9 + 3
+    one = estimate_step_time(LLAMA1B, _ds(1, grad_accum=4), hw)
+    two = estimate_step_time(LLAMA1B, _ds(2, grad_accum=4), hw)
+    assert two.components_s["zero_grad_copies"] == pytest.approx(4 * copy_s, rel=1e-12)
+    assert one.components_s["zero_grad_copies"] == pytest.approx(max(copy_s, ops * tp_model.OP_DISPATCH_S))
+    assert two.step_time_s > one.step_time_s          # stage 1 and stage 2 no longer tie on one GPU
+    # torch engine (DDP / FSDP) and contiguous_gradients=False: no such copies
+    assert tp_model.zero12_grad_handling(TrainingPlan(engine="torch", zero_stage=2), LLAMA1B, A100) == (0.0, 0)
+    assert tp_model.zero12_grad_handling(_ds(2, contiguous_gradients=False), LLAMA1B, A100) == (0.0, 0)
+
+
+def test_zero3_before_deepspeed_0_9_4_formats_debug_strings_at_every_fetch_and_release():
+    from memkit.spec.stack import Stack, behaviour
+
+    assert behaviour(Stack(deepspeed="0.9.2")).zero3_debug_strings
+    assert not behaviour(Stack(deepspeed="0.9.4")).zero3_debug_strings
+    assert not behaviour(Stack(deepspeed="0.19.8")).zero3_debug_strings
+    hw = Hardware(gpu=A100, num_gpus_per_node=2)
+    plan = TrainingPlan(engine="deepspeed", precision="bf16", zero_stage=3, dp=2, micro_batch_size=2, seq_len=2048)
+    old = estimate_step_time(LLAMA1B, plan, hw, stack=Stack(deepspeed="0.8.3"))
+    new = estimate_step_time(LLAMA1B, plan, hw, stack=Stack(deepspeed="0.14.0"))
+    # 147 parameters fetched and released in forward and again in backward, 4 strings each
+    extra = 2 * 147 * 4 * tp_model.OP_DISPATCH_S
+    assert old.step_time_s - new.step_time_s == pytest.approx(extra, rel=1e-9)
+    assert new.step_time_s == pytest.approx(estimate_step_time(LLAMA1B, plan, hw).step_time_s, rel=1e-12)
