@@ -73,6 +73,8 @@ class ThroughputCase:
     """The LoRA adapters' dtype where the source states it (the record's lora.adapter_dtype)."""
     offload_streams: bool = False
     """Activation offload on a side stream (the record's offload_activations_streams)."""
+    hf_checkpointing: bool = False
+    """The run checkpoints through the HF Trainer's gradient_checkpointing_enable() defaults."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -109,6 +111,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
                           lora_adapter_dtype=_lora_adapter_dtype(record),
                           offload_streams=bool(record.get("offload_activations_streams")),
+                          hf_checkpointing=_hf_trainer(record),
                           approx=tuple(approx), **base)
 
 
@@ -120,6 +123,14 @@ def _backward_prefetch(record: dict) -> str:
     if record["source_id"] == "llm_foundry_benchmarks" and record["engine"] == "fsdp":
         return "post"
     return "pre"
+
+
+def _hf_trainer(record: dict) -> bool:
+    """HF Trainer runs turn checkpointing on with model.gradient_checkpointing_enable() and the
+    Trainer's default gradient_checkpointing_kwargs (transformers/trainer.py); the accelerate
+    *_no_trainer examples and other frameworks wrap blocks themselves."""
+    text = (record.get("framework") or "").lower()
+    return "trainer" in text and "no_trainer" not in text
 
 
 def _lora_adapter_dtype(record: dict) -> str | None:
@@ -204,6 +215,9 @@ def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
             # GPT-2 config it is written as would default each to 0.1.
             for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
                 cfg.setdefault(key, 0.0)
+            # MPT's MLP activation is exact GELU, one kernel (llmfoundry/models/layers/ffn.py
+            # resolve_ffn_act_fn: nn.GELU(approximate='none')), not GPT-2's default gelu_new.
+            cfg.setdefault("activation_function", "gelu")
         spec = spec_from_config(cfg, name=name)
     elif name in _CONFIG_DIRS:
         spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))
@@ -315,7 +329,7 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    reduce_itemsize=case.reduce_itemsize,
                                    backward_prefetch=case.backward_prefetch,
                                    compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
-                                   offload_streams=case.offload_streams)
+                                   offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

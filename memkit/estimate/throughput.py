@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from memkit.estimate import kernels
+from memkit.estimate.activations import numerics
 from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.quantized import dequant_traffic_bytes
@@ -267,12 +268,15 @@ def peft_fp32_adapters(plan: TrainingPlan, adapter_dtype: str | None = None) -> 
     assumes too (estimate/activations.py adapter_itemsize). `adapter_dtype` states it for runs
     outside memkit ("fp32", or "bf16"/"fp16" where the framework casts the model after peft, e.g.
     VectorLM's lora_model.bfloat16(), or runs its own LoRA in the model dtype, e.g. torchtune's
-    LoRALinear)."""
+    LoRALinear).
+    FSDP (torch engine, ZeRO 2-3) computes with its flat parameters cast to MixedPrecision's
+    param_dtype, adapters included (torch/distributed/fsdp MixedPrecision), so it too runs them in
+    the training dtype."""
     if not plan.is_lora or plan.precision == "fp32":
         return False
     if adapter_dtype is not None:
         return adapter_dtype == "fp32"
-    return plan.engine != "deepspeed"
+    return plan.engine == "torch" and plan.zero_stage < 2
 
 
 def lora_adapter_pass(gpu: GPU, plan: TrainingPlan, m: float, k_in: int, n_out: int, *,
@@ -293,7 +297,7 @@ def lora_adapter_pass(gpu: GPU, plan: TrainingPlan, m: float, k_in: int, n_out: 
     (16-bit result + fp32 delta promotes to fp32) and the cast back are fp32-wide passes. Each cast
     and elementwise op has a backward of the same width; dropout keeps a 1-byte mask."""
     r, e = plan.lora_rank, _elt(plan)
-    autocast = plan.is_mixed
+    autocast = numerics(plan).autocast is not None
     x_e = 4 if fp32_adapters else e                  # width of x as dropout and lora_A see it
     gemm_prec = "fp32" if fp32_adapters and not autocast else plan.precision
     out_e = 4 if fp32_adapters and not autocast else e   # width of the adapter's output, scale and add
@@ -364,6 +368,20 @@ def eager_rmsnorm_bytes(res_bytes: int) -> int:
     return casts + 8 + 4 + 8 + 2 * res_bytes
 
 
+def gelu_new_bytes(e: int, *, autocast: bool) -> int:
+    """HBM bytes per MLP element of GPT-2's eager gelu_new forward (transformers/activations.py
+    NewGELUActivation.forward: 0.5 * input * (1.0 + tanh(sqrt(2/pi) * (input + 0.044715 *
+    pow(input, 3.0))))), eight kernels: 0.5 * x (r e, w e), pow (x cast to fp32 under autocast,
+    pow being on its fp32 list: r e w 4, then r 4 w 4), 0.044715 * (r 4 w 4), x + (r e + 4, w 4),
+    sqrt(2/pi) * (8), tanh (8), 1.0 + (8), the product (r e + 4, w 4); the fp32 result is cast back
+    to e bytes for c_proj (r 4, w e). Without autocast every op stays at e bytes: six unary ops at
+    2e and two binary ones at 3e. One fused kernel (r e + w e) under torch.compile, and for
+    gelu_pytorch_tanh (F.gelu(approximate='tanh'))."""
+    if autocast:
+        return (2 * e) + (e + 12) + 8 + (e + 8) + 8 + 8 + 8 + (e + 8) + (4 + e)
+    return 6 * 2 * e + 2 * 3 * e
+
+
 def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int, *,
                       compiled: bool = False) -> _Pass:
     """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
@@ -381,10 +399,14 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
     residual_bytes = (num_attn + 1) * (norm_bytes * h + 3 * h * res_bytes)   # a norm and a residual add (2r+w)
     if model.hidden_dropout > 0:                         # per sub-block; dropout: r + w + 1-byte mask
         residual_bytes += (num_attn + 1) * 2.5 * h * res_bytes
-    act = 3 * i if model.gated_mlp else 2 * i            # act(gate) * up, or act(x)
+    e = _elt(plan)
+    if model.hidden_act == "gelu_new" and not model.gated_mlp and not compiled:
+        act_bytes = gelu_new_bytes(e, autocast=numerics(plan).autocast is not None) * i
+    else:
+        act_bytes = (3 * i if model.gated_mlp else 2 * i) * e   # act(gate) * up, or act(x): one kernel
     if model.position_embedding == "rope":
-        act += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
-    fwd = kernels.memory_time_s(gpu, (residual_bytes + act * _elt(plan)) * tokens)
+        act_bytes += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp * e
+    fwd = kernels.memory_time_s(gpu, (residual_bytes + act_bytes) * tokens)
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
@@ -692,7 +714,8 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
                        backward_prefetch: str = "pre", compiled: bool = False,
-                       lora_adapter_dtype: str | None = None, offload_streams: bool = False) -> StepTimeEstimate:
+                       lora_adapter_dtype: str | None = None, offload_streams: bool = False,
+                       hf_checkpointing: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -707,7 +730,10 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     `lora_adapter_dtype`: the dtype a LoRA run's adapters are in, where the framework is not peft's
     default (peft_fp32_adapters); None = what memkit's own runs get.
     `offload_streams`: activation offload copies on a side stream that overlaps compute
-    (activation_offload_exposed_s: torchtune's); memkit's runner copies on the compute stream."""
+    (activation_offload_exposed_s: torchtune's); memkit's runner copies on the compute stream.
+    `hf_checkpointing`: the run checkpoints through transformers' gradient_checkpointing_enable()
+    with its default kwargs, reentrant before transformers 5.0 (spec/stack.py): no early stop.
+    memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py)."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     gpu = hardware.gpu
@@ -715,8 +741,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
     # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
     # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
-    passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
-                                         early_stop=behaviour(stack).checkpoint_early_stop, compiled=compiled,
+    how = behaviour(stack)
+    early_stop = how.checkpoint_early_stop and not (hf_checkpointing and how.hf_checkpoint_reentrant)
+    passes, t_recompute = _micro_compute(gpu, plan, model, tokens, early_stop=early_stop, compiled=compiled,
                                          fp32_adapters=peft_fp32_adapters(plan, lora_adapter_dtype))
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute

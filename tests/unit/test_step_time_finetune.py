@@ -156,3 +156,52 @@ def test_zero3_before_deepspeed_0_9_4_formats_debug_strings_at_every_fetch_and_r
     extra = 2 * 147 * 4 * tp_model.OP_DISPATCH_S
     assert old.step_time_s - new.step_time_s == pytest.approx(extra, rel=1e-9)
     assert new.step_time_s == pytest.approx(estimate_step_time(LLAMA1B, plan, hw).step_time_s, rel=1e-12)
+
+
+def test_fsdp_runs_peft_adapters_in_its_param_dtype():
+    lora = dict(lora_rank=8, lora_targets=("q_proj", "v_proj"), precision="bf16-pure", engine="torch")
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(zero_stage=3, dp=2, **lora))
+    assert not tp_model.peft_fp32_adapters(TrainingPlan(zero_stage=2, dp=2, **lora))
+    assert tp_model.peft_fp32_adapters(TrainingPlan(zero_stage=0, dp=2, **lora))     # DDP keeps them fp32
+
+
+def test_gpt2_gelu_new_is_eight_eager_kernels_mostly_fp32_under_autocast_by_hand():
+    from transformers.activations import ACT2FN, NewGELUActivation
+
+    assert isinstance(ACT2FN["gelu_new"], NewGELUActivation)   # GPT-2's default activation_function
+    # autocast, bf16 (e = 2): 0.5*x 4, pow 2+4+8, *c 8, x+ 2+4+4, *sqrt 8, tanh 8, 1+ 8, product 2+4+4,
+    # cast back for c_proj 4+2
+    assert tp_model.gelu_new_bytes(2, autocast=True) == 4 + 14 + 8 + 10 + 8 + 8 + 8 + 10 + 6 == 76
+    assert tp_model.gelu_new_bytes(2, autocast=False) == 6 * 4 + 2 * 6 == 36
+    gpt2 = load_model_spec("gpt2")
+    assert gpt2.hidden_act == "gelu_new"
+    plan = TrainingPlan(engine="torch", precision="bf16", micro_batch_size=8, seq_len=1024)
+    tokens = 8 * 1024
+    eager = tp_model._elementwise_pass(A100, plan, gpt2, 1, tokens)
+    fused = tp_model._elementwise_pass(A100, plan, gpt2, 1, tokens, compiled=True)
+    gpt2_gelu = gpt2.__class__(**{**{f: getattr(gpt2, f) for f in gpt2.__dataclass_fields__}, "hidden_act": "gelu"})
+    one_kernel = tp_model._elementwise_pass(A100, plan, gpt2_gelu, 1, tokens)
+    i = gpt2.intermediate_size
+    assert eager.fwd_s - one_kernel.fwd_s == pytest.approx(kernels.memory_time_s(A100, (76 - 2 * 2) * i * tokens),
+                                                          rel=1e-9)
+    # compiled, gelu_new is one fused kernel like exact GELU (GPT-2's LayerNorm is one kernel either way)
+    assert fused.fwd_s == pytest.approx(one_kernel.fwd_s, rel=1e-12)
+
+
+def test_hf_gradient_checkpointing_is_reentrant_before_transformers_5_and_never_stops_early():
+    from memkit.spec.stack import Stack, behaviour
+
+    assert behaviour(Stack(transformers="4.40", torch="2.3")).hf_checkpoint_reentrant
+    assert not behaviour(Stack(transformers="5.24", torch="2.13")).hf_checkpoint_reentrant
+    plan = TrainingPlan(engine="torch", precision="bf16", micro_batch_size=4, seq_len=2048, checkpointing="full")
+    old = Stack(transformers="4.40", torch="2.3")
+    reentrant = estimate_step_time(LLAMA1B, plan, ONE_A100, stack=old, hf_checkpointing=True)
+    non_reentrant = estimate_step_time(LLAMA1B, plan, ONE_A100, stack=old)
+    # the difference is the down projection's forward, re-run in each of the 16 blocks
+    down = next(lin for lin in LLAMA1B.layer_linears if lin.role == "down")
+    down_fwd = tp_model._linear_pass(A100, plan, LLAMA1B, down, 4 * 2048).fwd_s
+    assert (reentrant.components_s["recompute"] - non_reentrant.components_s["recompute"]
+            == pytest.approx(16 * down_fwd, rel=1e-9))
+    new = Stack(transformers="5.24", torch="2.13")
+    assert estimate_step_time(LLAMA1B, plan, ONE_A100, stack=new, hf_checkpointing=True).step_time_s == \
+        pytest.approx(estimate_step_time(LLAMA1B, plan, ONE_A100, stack=new).step_time_s, rel=1e-12)
