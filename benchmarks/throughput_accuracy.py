@@ -1,9 +1,11 @@
 """Score memkit's step-time model against published training throughput.
 
     python benchmarks/throughput_accuracy.py [--data ../shared/calibration/published_throughput.jsonl]
+                                             [--holdout benchmarks/data/holdout_throughput.jsonl]
                                              [--rows] [--discordant] [--write-uncertainty]
 
-Prints, per source and overall: records scored in absolute terms, median |error|, signed mean,
+Prints two halves, dev (--data) and holdout (--holdout: runs kept out of every fit,
+benchmarks/data/SOURCES_holdout.md), each per source and overall: records scored in absolute terms, median |error|, signed mean,
 share within +-20 %, p75 |error|, and rank agreement within each same-model/same-GPU group
 (Kendall tau and share of concordant pairs). Error = (predicted - measured) / measured of tokens/s
 per GPU. `--write-uncertainty` writes the overall p75 |error| to
@@ -23,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from memkit.calibration_throughput import map_record, ranked_pairs, score, summarize  # noqa: E402
 from memkit.presets_dir import presets_dir  # noqa: E402
 
+HOLDOUT_DATA = ROOT / "benchmarks" / "data" / "holdout_throughput.jsonl"
 DEFAULT_DATA = ROOT.parent / "shared" / "calibration" / "published_throughput.jsonl"
 for candidate in (DEFAULT_DATA, Path("/work/shared/calibration/published_throughput.jsonl")):
     if candidate.exists():
@@ -32,15 +35,34 @@ for candidate in (DEFAULT_DATA, Path("/work/shared/calibration/published_through
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the dev file (default: %(default)s)")
+    ap.add_argument("--holdout", type=Path, default=HOLDOUT_DATA,
+                    help="held-out runs, printed as their own half and never fitted on (default: %(default)s); "
+                         "'none' skips them")
     ap.add_argument("--rows", action="store_true", help="print every record's prediction")
     ap.add_argument("--write-uncertainty", action="store_true")
     ap.add_argument("--by-gpu", action="store_true", help="also break the figures down by GPU")
     ap.add_argument("--discordant", action="store_true",
                     help="print every pair the prediction orders against the measurement (or ties)")
     args = ap.parse_args(argv)
-    records = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
-    outcomes = [score(map_record(r, configs_dir=ROOT / "benchmarks" / "calibration_configs")) for r in records]
+    outcomes = _outcomes(args.data)
+    holdout = _outcomes(args.holdout) if str(args.holdout) != "none" else []
+    for title, rows in (("dev", outcomes), ("holdout", holdout)):
+        if rows:
+            print(f"== {title}: {args.data if title == 'dev' else args.holdout}")
+            _report(rows, args)
+            print()
+    if args.write_uncertainty:
+        _write_uncertainty(summarize(outcomes))   # the dev half only: the holdout is never fitted on
+    return 0
+
+
+def _outcomes(path: Path) -> list:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [score(map_record(r, configs_dir=ROOT / "benchmarks" / "calibration_configs")) for r in records]
+
+
+def _report(outcomes: list, args) -> None:
     if args.rows:
         for o in outcomes:
             c = o.case
@@ -63,18 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         print()
         _print_table(summarize(outcomes, key=lambda c: c.hardware.gpu.name if c.hardware else "(skipped)"),
                      title="gpu")
-    if args.write_uncertainty:
-        path = presets_dir() / "step_time_uncertainty.json"
-        doc = {"_about": "Written by benchmarks/throughput_accuracy.py --write-uncertainty: the p75 of "
-                         "|predicted - measured| / measured tokens/s over the published runs it scores "
-                         "(../shared/calibration/published_throughput.jsonl). The planner treats plans whose "
-                         "predicted step times differ by less than this as tied.",
-               "p75_abs_error": round(table["ALL"]["p75_abs_pct"] / 100, 4),
-               "median_abs_error": round(table["ALL"]["median_abs_pct"] / 100, 4),
-               "n_scored": table["ALL"]["n_scored"]}
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {path}")
-    return 0
+
+
+def _write_uncertainty(table: dict) -> None:
+    path = presets_dir() / "step_time_uncertainty.json"
+    doc = {"_about": "Written by benchmarks/throughput_accuracy.py --write-uncertainty: the p75 of "
+                     "|predicted - measured| / measured tokens/s over the published runs it scores "
+                     "(../shared/calibration/published_throughput.jsonl). The planner treats plans whose "
+                     "predicted step times differ by less than this as tied.",
+           "p75_abs_error": round(table["ALL"]["p75_abs_pct"] / 100, 4),
+           "median_abs_error": round(table["ALL"]["median_abs_pct"] / 100, 4),
+           "n_scored": table["ALL"]["n_scored"]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 def _print_table(table: dict, *, title: str = "source") -> None:

@@ -35,6 +35,16 @@ _ENGINES = {"fsdp": "torch", "ddp": "torch", "single": "torch", "deepspeed": "de
             "fairscale_sharded_ddp": "torch"}
 
 
+# Versions of the holdout sources (benchmarks/data/SOURCES_holdout.md): VectorLM's
+# docs/reference_throughput.md prints its pip freeze (torch==2.2.1); torchtune's README tables of
+# 2024-09 / 2024-11 ran on the nightlies of then (torchtune pins no torch; 2.5 is the release
+# between them).
+_HOLDOUT_STACKS = {
+    "vectorlm_reference_throughput": Stack(torch="2.2.1"),
+    "torchtune_readme": Stack(torch="2.5"),
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ThroughputCase:
     case_id: str
@@ -59,6 +69,12 @@ class ThroughputCase:
     backward_prefetch: str = "pre"
     compiled: bool = False
     """The run wraps the model in torch.compile (the record's `compile`)."""
+    lora_adapter_dtype: str | None = None
+    """The LoRA adapters' dtype where the source states it (the record's lora.adapter_dtype)."""
+    offload_streams: bool = False
+    """Activation offload on a side stream (the record's offload_activations_streams)."""
+    hf_checkpointing: bool = False
+    """The run checkpoints through the HF Trainer's gradient_checkpointing_enable() defaults."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -89,10 +105,13 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
-    stack = _stack(record, approx)
+    stack = _HOLDOUT_STACKS.get(source) or _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
                           backward_prefetch=_backward_prefetch(record), compiled=bool(record.get("compile")),
+                          lora_adapter_dtype=_lora_adapter_dtype(record),
+                          offload_streams=bool(record.get("offload_activations_streams")),
+                          hf_checkpointing=_hf_trainer(record),
                           approx=tuple(approx), **base)
 
 
@@ -104,6 +123,25 @@ def _backward_prefetch(record: dict) -> str:
     if record["source_id"] == "llm_foundry_benchmarks" and record["engine"] == "fsdp":
         return "post"
     return "pre"
+
+
+def _hf_trainer(record: dict) -> bool:
+    """HF Trainer runs turn checkpointing on with model.gradient_checkpointing_enable() and the
+    Trainer's default gradient_checkpointing_kwargs (transformers/trainer.py); the accelerate
+    *_no_trainer examples and other frameworks wrap blocks themselves."""
+    text = (record.get("framework") or "").lower()
+    return "trainer" in text and "no_trainer" not in text
+
+
+def _lora_adapter_dtype(record: dict) -> str | None:
+    """The record's lora.adapter_dtype; lit-gpt's LoRA is its own (lit_gpt/lora.py LoRALinear, not
+    peft) and Fabric's "bf16-true" precision converts the whole model, adapters included, to bf16
+    (lightning/fabric/plugins/precision/half.py HalfPrecision.convert_module)."""
+    if record.get("finetune_type") not in ("lora", "qlora"):
+        return None
+    if record["source_id"] == "litgpt_resource_tables":
+        return "bf16"
+    return (record.get("lora") or {}).get("adapter_dtype")
 
 
 def _reduce_itemsize(record: dict) -> int | None:
@@ -177,6 +215,9 @@ def _model(record: dict, configs_dir: Path, approx: list[str]) -> ModelSpec:
             # GPT-2 config it is written as would default each to 0.1.
             for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
                 cfg.setdefault(key, 0.0)
+            # MPT's MLP activation is exact GELU, one kernel (llmfoundry/models/layers/ffn.py
+            # resolve_ffn_act_fn: nn.GELU(approximate='none')), not GPT-2's default gelu_new.
+            cfg.setdefault("activation_function", "gelu")
         spec = spec_from_config(cfg, name=name)
     elif name in _CONFIG_DIRS:
         spec = load_model_spec(str(Path(configs_dir) / _CONFIG_DIRS[name]))
@@ -209,12 +250,15 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     lora_kw = {}
     if record.get("finetune_type") == "lora":
         lora = record.get("lora") or {}
-        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=_lora_targets(model, lora.get("targets")))
+        lora_kw = dict(lora_rank=int(lora.get("rank", 8)), lora_targets=_lora_role_targets(model, lora.get("targets")),
+                       lora_alpha=int(lora.get("alpha", 16)), lora_dropout=float(lora.get("dropout", 0.05)))
     plan = TrainingPlan(
         precision=_PRECISIONS[record["precision"]], optimizer=_optimizer(record), zero_stage=int(zero),
         engine=engine, offload_optimizer="cpu" if record.get("offload_optimizer") not in (None, "none") else "none",
         offload_params="cpu" if record.get("offload_params") not in (None, "none") else "none",
         checkpointing="full" if ac == "full" else "none", attention=attention,
+        loss=record.get("loss") or "standard", offload_activations=record.get("offload_activations") or "none",
+        optimizer_in_backward=bool(record.get("optimizer_in_backward")),
         micro_batch_size=int(record["micro_batch_size"]), grad_accum=int(record["grad_accum"] or 1),
         seq_len=int(record["seq_len"]), dp=n // (tp * pp), tp=tp, pp=pp,
         tp_engine="tp_plan" if engine == "torch" else "autotp", sequence_parallel=tp > 1 and engine == "torch",
@@ -235,6 +279,16 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
         approx.append("inter-node bandwidth unstated: DGX H100 400 Gb/s per GPU assumed")
     hardware = Hardware(gpu=gpu, num_gpus_per_node=min(per_node, n), num_nodes=max(1, n // per_node), **hw_kw)
     return plans, hardware
+
+
+def _lora_role_targets(model: ModelSpec, targets) -> tuple[str, ...]:
+    """A list of linear roles (q, k, v, o, gate, up, down: the holdout records state torchtune's
+    lora_attn_modules / apply_lora_to_mlp that way) as the spec's linear names; any other form goes
+    through memkit/calibration.py _lora_targets."""
+    by_role = {lin.role: lin.name for lin in model.layer_linears}
+    if isinstance(targets, list) and targets and all(t in by_role for t in targets):
+        return tuple(by_role[t] for t in targets)
+    return _lora_targets(model, targets)
 
 
 def _attention(record: dict) -> str:
@@ -274,7 +328,9 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
         ests = [estimate_step_time(case.model, p, case.hardware, stack=case.stack,
                                    reduce_itemsize=case.reduce_itemsize,
                                    backward_prefetch=case.backward_prefetch,
-                                   compiled=case.compiled) for p in case.plans]
+                                   compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
+                                   offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing)
+                for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
     plan = case.plans[0]

@@ -15,10 +15,11 @@ Per GPU and per optimizer step (m = grad_accum micro-steps):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from memkit.estimate import kernels
+from memkit.estimate.activations import numerics
 from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.quantized import dequant_traffic_bytes
@@ -107,6 +108,26 @@ parameterised submodules (~40 calls) fetch, release and track partitioned parame
 wait on the fetches, at ~50-75 us a call (deepspeed/runtime/zero/parameter_offload.py,
 partitioned_param_coordinator.py). Not hidden by prefetch, and independent of the micro-batch.
 FSDP gathers one flat parameter per wrapped block instead, so it pays no such per-module cost."""
+
+ZERO12_OPS_PER_GRAD = 6
+"""Dispatched ops DeepSpeed ZeRO-1/2 issues per gradient tensor each time it handles it
+(deepspeed 0.19 runtime/zero/stage_1_and_2.py): reduce_independent_p_g_buckets_and_remove_grads
+narrows the ipg bucket buffer, copy_()s the gradient into it (contiguous_gradients) and re-views
+param.grad onto it (3); reduce_ipg_grads -> copy_grads_in_partition narrows grads_in_partition,
+copy_()s the rank's part and re-views it (3). Stage 2 runs this from each parameter's
+grad-accumulation hook (create_gradient_handling_hooks -> process_gradients, partition_gradients)
+in every micro-step's backward; stage 1 only at the accumulation boundary
+(reduce_ready_partitions_and_remove_grads: is_gradient_accumulation_boundary), from
+reduce_gradients after backward."""
+
+ZERO3_DEBUG_CALLS_PER_PARAM = 4
+"""DeepSpeed < 0.9.4 only: PartitionedParameterCoordinator.fetch_sub_module and __release_param
+built their debug strings even with logging off -- per parameter of each fetched submodule
+f"-fetch: {param.ds_summary()}", "-wait: ...", "-release: ..." and, for prefetched ones,
+"-prefetch: ...", each ds_summary() a dict of the param's ds_* fields formatted to text; removed
+by deepspeedai/DeepSpeed#3622 ("zero3 performance optimizations", v0.9.4,
+partitioned_param_coordinator.py: `if logger.isEnabledFor(logging.DEBUG)`). Each is priced as
+one dispatched op's worth of Python (OP_DISPATCH_S), in forward and again in backward."""
 
 STEP_OVERHEAD_S = 10e-3
 """Fixed per optimizer step: gradient-norm clipping, overflow checks, scheduler, logging."""
@@ -207,7 +228,8 @@ def _elt(plan: TrainingPlan) -> int:
     return 4 if plan.precision == "fp32" else 2
 
 
-def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, tokens: int) -> _Pass:
+def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, tokens: int, *,
+                 fp32_adapters: bool = False) -> _Pass:
     """One nn.Linear (or a 3-D expert weight) forward and backward; the weight gradient only when
     the weight trains (LoRA freezes it: activation gradients only, Hu et al. 2021, Sec. 4)."""
     prec = plan.precision
@@ -231,15 +253,72 @@ def _linear_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, lin: Linear, to
         per_param = 1 + (not plan.is_lora)
         ops += per_param * (1 + lin.bias) + (2 if lin.role in NORM_FED_ROLES else 0)
     if plan.is_lora and lin.name in plan.lora_targets:
-        r, e = plan.lora_rank, _elt(plan)
-        fwd += (kernels.gemm_time_s(gpu, prec, m, r, k_in) + kernels.gemm_time_s(gpu, prec, m, n_out, r)
-                + kernels.memory_time_s(gpu, 3 * e * m * n_out))                 # x A, (xA) B, add
-        if plan.lora_dropout > 0:   # peft LoRA Linear: dropout(x) feeds A (peft/tuners/lora/layer.py)
-            drop = kernels.memory_time_s(gpu, (2 * e + 1) * m * k_in)
-            fwd, bwd = fwd + drop, bwd + 2 * drop
-        bwd += (kernels.gemm_time_s(gpu, prec, m, r, n_out) + kernels.gemm_time_s(gpu, prec, m, k_in, r)
-                + kernels.gemm_time_s(gpu, prec, r, n_out, m) + kernels.gemm_time_s(gpu, prec, k_in, r, m))
-        ops += 8
+        adapter = lora_adapter_pass(gpu, plan, m, k_in, n_out, fp32_adapters=fp32_adapters)
+        fwd, bwd, ops = fwd + adapter.fwd_s, bwd + adapter.bwd_s, ops + adapter.num_ops
+    return _Pass(fwd, bwd, ops)
+
+
+def peft_fp32_adapters(plan: TrainingPlan, adapter_dtype: str | None = None) -> bool:
+    """Whether a LoRA plan's adapter weights are fp32 while the base runs in 16 bits.
+    peft's get_peft_model(..., autocast_adapter_dtype=True) (the default) upcasts fp16/bf16 adapter
+    weights to fp32 (peft/tuners/tuners_utils.py BaseTuner._cast_adapter_dtype), and memkit's runs
+    (train/model.py apply_plan) and the Trainer scripts it writes keep that default. DeepSpeed's
+    engine later casts the whole module to the training dtype (deepspeed/runtime/engine.py
+    DeepSpeedEngine._configure_distributed_model: module.half() / .bfloat16()), as the memory model
+    assumes too (estimate/activations.py adapter_itemsize). `adapter_dtype` states it for runs
+    outside memkit ("fp32", or "bf16"/"fp16" where the framework casts the model after peft, e.g.
+    VectorLM's lora_model.bfloat16(), or runs its own LoRA in the model dtype, e.g. torchtune's
+    LoRALinear).
+    FSDP (torch engine, ZeRO 2-3) computes with its flat parameters cast to MixedPrecision's
+    param_dtype, adapters included (torch/distributed/fsdp MixedPrecision), so it too runs them in
+    the training dtype."""
+    if not plan.is_lora or plan.precision == "fp32":
+        return False
+    if adapter_dtype is not None:
+        return adapter_dtype == "fp32"
+    return plan.engine == "torch" and plan.zero_stage < 2
+
+
+def lora_adapter_pass(gpu: GPU, plan: TrainingPlan, m: float, k_in: int, n_out: int, *,
+                      fp32_adapters: bool) -> _Pass:
+    """One LoRA adapter of rank r on an m x k_in -> n_out linear, forward and backward, as peft's
+    Linear.forward runs it (peft/tuners/lora/layer.py Linear.forward):
+
+        x = self._cast_input_dtype(x, lora_A.weight.dtype)     # x.to(adapter dtype), when it differs
+        result = result + lora_B(lora_A(dropout(x))) * scaling
+        result = result.to(torch_result_dtype)
+
+    16-bit adapters: x A and (xA) B in the compute dtype, dropout, scale and add at 16-bit width.
+    fp32 adapters (peft_fp32_adapters): the cast x.to(fp32) and dropout run at fp32 width. Under
+    autocast (fp16/bf16 mixed) F.linear casts its fp32 input back to 16 bits (aten autocast_mode.cpp,
+    linear is on the lower-precision list), so the GEMMs stay on the tensor cores and the input
+    pays two casts each way. Without autocast (bf16-pure) the four adapter GEMMs of backward and two
+    of forward run in fp32 on the CUDA cores (kernels.gemm_time_s "fp32"), and the scale, the add
+    (16-bit result + fp32 delta promotes to fp32) and the cast back are fp32-wide passes. Each cast
+    and elementwise op has a backward of the same width; dropout keeps a 1-byte mask."""
+    r, e = plan.lora_rank, _elt(plan)
+    autocast = numerics(plan).autocast is not None
+    x_e = 4 if fp32_adapters else e                  # width of x as dropout and lora_A see it
+    gemm_prec = "fp32" if fp32_adapters and not autocast else plan.precision
+    out_e = 4 if fp32_adapters and not autocast else e   # width of the adapter's output, scale and add
+    fwd = kernels.gemm_time_s(gpu, gemm_prec, m, r, k_in) + kernels.gemm_time_s(gpu, gemm_prec, m, n_out, r)
+    bwd = (kernels.gemm_time_s(gpu, gemm_prec, m, r, n_out) + kernels.gemm_time_s(gpu, gemm_prec, m, k_in, r)
+           + kernels.gemm_time_s(gpu, gemm_prec, r, n_out, m) + kernels.gemm_time_s(gpu, gemm_prec, k_in, r, m))
+    ops = 8
+    if fp32_adapters and not autocast:
+        # * scaling (read + write fp32), result + delta -> fp32 (2 + 4 read, 4 written), .to(16 bits)
+        out = kernels.memory_time_s(gpu, (2 * 4 + (e + 4 + 4) + (4 + e)) * m * n_out)
+        fwd, bwd, ops = fwd + out, bwd + out, ops + 2
+    else:
+        fwd += kernels.memory_time_s(gpu, 3 * e * m * n_out)                     # scale + add
+    if fp32_adapters:
+        cast = kernels.memory_time_s(gpu, (e + 4) * m * k_in)                    # x.to(fp32)
+        if autocast:
+            cast *= 2                                                          # and autocast's back
+        fwd, bwd, ops = fwd + cast, bwd + cast, ops + (4 if autocast else 2)
+    if plan.lora_dropout > 0:   # peft: nn.Dropout feeds A (nn.Identity when lora_dropout is 0)
+        drop = kernels.memory_time_s(gpu, (2 * x_e + 1) * m * k_in)
+        fwd, bwd = fwd + drop, bwd + 2 * drop
     return _Pass(fwd, bwd, ops)
 
 
@@ -289,6 +368,20 @@ def eager_rmsnorm_bytes(res_bytes: int) -> int:
     return casts + 8 + 4 + 8 + 2 * res_bytes
 
 
+def gelu_new_bytes(e: int, *, autocast: bool) -> int:
+    """HBM bytes per MLP element of GPT-2's eager gelu_new forward (transformers/activations.py
+    NewGELUActivation.forward: 0.5 * input * (1.0 + tanh(sqrt(2/pi) * (input + 0.044715 *
+    pow(input, 3.0))))), eight kernels: 0.5 * x (r e, w e), pow (x cast to fp32 under autocast,
+    pow being on its fp32 list: r e w 4, then r 4 w 4), 0.044715 * (r 4 w 4), x + (r e + 4, w 4),
+    sqrt(2/pi) * (8), tanh (8), 1.0 + (8), the product (r e + 4, w 4); the fp32 result is cast back
+    to e bytes for c_proj (r 4, w e). Without autocast every op stays at e bytes: six unary ops at
+    2e and two binary ones at 3e. One fused kernel (r e + w e) under torch.compile, and for
+    gelu_pytorch_tanh (F.gelu(approximate='tanh'))."""
+    if autocast:
+        return (2 * e) + (e + 12) + 8 + (e + 8) + 8 + 8 + 8 + (e + 8) + (4 + e)
+    return 6 * 2 * e + 2 * 3 * e
+
+
 def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int, *,
                       compiled: bool = False) -> _Pass:
     """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
@@ -306,26 +399,30 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
     residual_bytes = (num_attn + 1) * (norm_bytes * h + 3 * h * res_bytes)   # a norm and a residual add (2r+w)
     if model.hidden_dropout > 0:                         # per sub-block; dropout: r + w + 1-byte mask
         residual_bytes += (num_attn + 1) * 2.5 * h * res_bytes
-    act = 3 * i if model.gated_mlp else 2 * i            # act(gate) * up, or act(x)
+    e = _elt(plan)
+    if model.hidden_act == "gelu_new" and not model.gated_mlp and not compiled:
+        act_bytes = gelu_new_bytes(e, autocast=numerics(plan).autocast is not None) * i
+    else:
+        act_bytes = (3 * i if model.gated_mlp else 2 * i) * e   # act(gate) * up, or act(x): one kernel
     if model.position_embedding == "rope":
-        act += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
-    fwd = kernels.memory_time_s(gpu, (residual_bytes + act * _elt(plan)) * tokens)
+        act_bytes += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp * e
+    fwd = kernels.memory_time_s(gpu, (residual_bytes + act_bytes) * tokens)
     return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
 def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
-                *, early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, _Pass]:
+                *, early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
     for lin in linears:
-        total = total + _linear_pass(gpu, plan, model, lin, tokens)
+        total = total + _linear_pass(gpu, plan, model, lin, tokens, fp32_adapters=fp32_adapters)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
     total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled)
     recompute_s = total.fwd_s
     last = linears[-1] if linears else None
     if early_stop and last is not None and _output_unsaved(plan, model, last):
-        recompute_s -= _linear_pass(gpu, plan, model, last, tokens).fwd_s
+        recompute_s -= _linear_pass(gpu, plan, model, last, tokens, fp32_adapters=fp32_adapters).fwd_s
     return total, _Pass(recompute_s, 0.0, total.num_ops // 3)
 
 
@@ -354,17 +451,18 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
 
 
 def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                   early_stop: bool = False, compiled: bool = False) -> tuple[_Pass, float]:
+                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
+                   ) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
     checkpoint recompute stops after the block's last saved tensor (_output_unsaved); compiled: the
     run uses torch.compile (_elementwise_pass)."""
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled)
+                                   compiled=compiled, fp32_adapters=fp32_adapters)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
         enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled)
+                                   compiled=compiled, fp32_adapters=fp32_adapters)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -535,7 +633,20 @@ def _overlapped(comm_s: float, window_s: float) -> float:
     return max(0.0, comm_s - window_s) + OVERLAP_COMPUTE_COST * min(comm_s, window_s)
 
 
-def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float) -> _Comm:
+def activation_offload_exposed_s(moved_s: float, *, fwd_s: float, bwd_s: float) -> float:
+    """PCIe time of activation offload that a side stream does not hide. torchtune's
+    OffloadActivations(use_streams=True) (torchtune/training/_activation_offloading.py) copies each
+    saved tensor device->host on its own stream as forward goes on (the compute stream waits only
+    for the copy of a tensor it is about to free, one layer behind), and in backward prefetches the
+    next layer's tensors host->device on that stream while the current layer's backward runs. Half
+    of moved_s (activation_offload_transfer_s: out and back) goes each way; each half costs what
+    sticks out of its pass's compute (the copies run on the copy engines, not the SMs)."""
+    half = moved_s / 2
+    return max(0.0, half - fwd_s) + max(0.0, half - bwd_s)
+
+
+def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float, *, fwd_s: float = 0.0,
+             offload_streams: bool = False) -> _Comm:
     """ZeRO-Offload (Ren et al. 2021, Sec. 4): 16-bit grads GPU->CPU during backward, CPU-Adam on the
     host, updated 16-bit params back after the step; ZeRO-3 param offload crosses PCIe twice."""
     gpu = hardware.gpu
@@ -552,14 +663,34 @@ def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: fl
         step += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
         if plan.offload_optimizer == "nvme":
             step += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
-    if plan.offload_activations != "none":  # saved activations out and back, on the compute stream
-        micro += activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
+    if plan.offload_activations != "none":
+        moved = activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
+        if offload_streams:
+            micro += activation_offload_exposed_s(moved, fwd_s=fwd_s, bwd_s=bwd_s)
+        else:   # memkit's runner copies on the compute stream (train/backward_techniques.py)
+            micro += moved
     if plan.offload_params != "none":
         p_part = model.num_params / shard / plan.dp * e
         micro += 2 * p_part / pcie
         if plan.offload_params == "nvme":
             micro += 2 * p_part / (NVME_GBPS_PER_NODE * GB / per_node)
     return _Comm(micro_s=micro, boundary_s=step)
+
+
+def zero12_grad_handling(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tuple[float, int]:
+    """(GPU seconds, dispatched ops) of one pass of DeepSpeed ZeRO-1/2's gradient handling over
+    this GPU's trainable tensors (ZERO12_OPS_PER_GRAD): with contiguous_gradients (its default,
+    runtime/zero/config.py) each 16-bit gradient is copied into the ipg bucket (read + write) and
+    the rank's 1/dp part copied again into grads_in_partition (stage_1_and_2.py
+    copy_grads_in_partition). Stage 2 pays it every micro-step, stage 1 once per optimizer step;
+    (0, 0) for other engines and stages or with contiguous_gradients off."""
+    if plan.engine != "deepspeed" or plan.zero_stage not in (1, 2) or not plan.contiguous_gradients:
+        return 0.0, 0
+    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
+                 else model.num_params) / (plan.tp * plan.pp)
+    e = _grad_bytes(plan)
+    copy_s = kernels.memory_time_s(gpu, 2 * e * trainable + 2 * e * trainable / plan.dp)
+    return copy_s, _param_tensors(model, plan) * ZERO12_OPS_PER_GRAD
 
 
 def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
@@ -582,7 +713,9 @@ def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
 
 def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
-                       backward_prefetch: str = "pre", compiled: bool = False) -> StepTimeEstimate:
+                       backward_prefetch: str = "pre", compiled: bool = False,
+                       lora_adapter_dtype: str | None = None, offload_streams: bool = False,
+                       hf_checkpointing: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -593,7 +726,14 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     (BACKWARD_PRE: torch's and Accelerate's default, and what FSDP2 always does) or "post"
     (BACKWARD_POST: Composer's default, composer/trainer/dist_strategy.py).
     `compiled`: the run wraps the model in torch.compile (fused norms, _elementwise_pass); memkit's
-    own runs and the Trainer files it writes are eager."""
+    own runs and the Trainer files it writes are eager.
+    `lora_adapter_dtype`: the dtype a LoRA run's adapters are in, where the framework is not peft's
+    default (peft_fp32_adapters); None = what memkit's own runs get.
+    `offload_streams`: activation offload copies on a side stream that overlaps compute
+    (activation_offload_exposed_s: torchtune's); memkit's runner copies on the compute stream.
+    `hf_checkpointing`: the run checkpoints through transformers' gradient_checkpointing_enable()
+    with its default kwargs, reentrant before transformers 5.0 (spec/stack.py): no early stop.
+    memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py)."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     gpu = hardware.gpu
@@ -601,16 +741,26 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
     # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
     # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
-    passes, t_recompute = _micro_compute(gpu, plan, model, tokens,
-                                         early_stop=behaviour(stack).checkpoint_early_stop, compiled=compiled)
+    how = behaviour(stack)
+    early_stop = how.checkpoint_early_stop and not (hf_checkpointing and how.hf_checkpoint_reentrant)
+    passes, t_recompute = _micro_compute(gpu, plan, model, tokens, early_stop=early_stop, compiled=compiled,
+                                         fp32_adapters=peft_fp32_adapters(plan, lora_adapter_dtype))
     t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
+    # ZeRO-2 handles every gradient in each micro-step's backward, ZeRO-1 once at the boundary
+    # (zero12_grad_handling): on the compute stream, and its ops are host work like any other.
+    grad_copy_s, grad_ops = zero12_grad_handling(plan, model, gpu)
+    micro_copy_s, boundary_copy_s = (grad_copy_s, 0.0) if plan.zero_stage == 2 else (0.0, grad_copy_s)
+    if plan.zero_stage == 2:
+        t_gpu, ops = t_gpu + micro_copy_s, ops + grad_ops
+    else:
+        boundary_copy_s = max(grad_copy_s, grad_ops * OP_DISPATCH_S)
     t_host = ops * OP_DISPATCH_S
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
                   backward_prefetch=backward_prefetch)
-    off = _offload(plan, model, hardware, t_bwd + t_recompute)
+    off = _offload(plan, model, hardware, t_bwd + t_recompute, fwd_s=t_fwd, offload_streams=offload_streams)
 
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h
     # activations forward and two backward per block (sequence parallel swaps each for an
@@ -632,8 +782,12 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         t_pp = 2 * act / (pp_bw * GB)
         bubble = (m + plan.pp - 1) / m
 
-    t_zero3 = (model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
-               if plan.zero_stage == 3 and plan.engine == "deepspeed" else 0.0)
+    t_zero3 = 0.0
+    if plan.zero_stage == 3 and plan.engine == "deepspeed":
+        t_zero3 = model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
+        if behaviour(stack).zero3_debug_strings:   # DeepSpeed < 0.9.4 (ZERO3_DEBUG_CALLS_PER_PARAM)
+            per_pass = _param_tensors(model, replace(plan, lora_rank=0))   # every param is fetched, frozen too
+            t_zero3 += 2 * per_pass * ZERO3_DEBUG_CALLS_PER_PARAM * OP_DISPATCH_S
     host_excess = max(0.0, t_host - t_gpu)
     micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
 
@@ -655,7 +809,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
             t_opt = max(t_opt, _param_tensors(model, plan) * IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
                         * OP_DISPATCH_S)
 
-    step = micro * m * bubble + dp.boundary_s + off.boundary_s + t_opt + STEP_OVERHEAD_S
+    step = micro * m * bubble + dp.boundary_s + off.boundary_s + boundary_copy_s + t_opt + STEP_OVERHEAD_S
     model_fpt, recompute_fpt = flops_per_token(model, plan)
     tokens_step = plan.tokens_per_step
     model_flops_step = model_fpt * tokens_step
@@ -666,6 +820,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         "recompute": t_recompute * m,
         "pipeline_bubble": micro * m * (bubble - 1.0),
         "dp_comm": dp.micro_s * m + dp.boundary_s,
+        "zero_grad_copies": micro_copy_s * m + boundary_copy_s,
         "tp_comm": t_tp * m,
         "pp_comm": t_pp * m,
         "offload_transfer": off.micro_s * m + off.boundary_s,

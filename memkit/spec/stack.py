@@ -31,6 +31,16 @@ installed version). Behaviours, each with the version where it changed:
   nvidia-nccl-cu12==2.19.3), NCCL versions that map NVLS multicast buffers when a communicator is
   created on an NVSwitch node (estimate/cuda_extras.py). torch 2.0 ships NCCL 2.14 (no NVLS);
   torch >= 2.7 ships NCCL >= 2.26, which maps them only at the first collective that picks NVLS.
+- HF gradient checkpointing (transformers): `gradient_checkpointing_enable()` without kwargs
+  checkpoints with torch's reentrant variant -- torch's default until transformers pinned
+  `{"use_reentrant": True}` (huggingface/transformers#28538, Jan 2024) -- until #43203 (merged
+  2026-01-09, first in the 5.x line memkit takes as 5.0) made it `{"use_reentrant": False}`
+  (modeling_utils.py _activation_checkpointing_enable). Reentrant checkpoint re-runs the whole
+  block (torch/utils/checkpoint.py CheckpointFunction.backward): no early stop.
+- ZeRO-3 debug strings (deepspeed): before v0.9.4 the ZeRO-3 parameter coordinator formatted a
+  debug line per parameter at each fetch, wait, prefetch and release even with logging off
+  (deepspeedai/DeepSpeed#3622, runtime/zero/partitioned_param_coordinator.py); a step-time cost
+  (estimate/throughput.py ZERO3_DEBUG_CALLS_PER_PARAM).
 """
 from __future__ import annotations
 
@@ -52,6 +62,10 @@ CHECKPOINT_EARLY_STOP_TORCH = (2, 1)
 (pytorch/pytorch PR #96866, 2023-03, made early stop the default; torch/utils/checkpoint.py
 set_checkpoint_early_stop); earlier versions re-run the whole checkpointed function."""
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
+HF_NON_REENTRANT_TRANSFORMERS = (5, 0)
+"""transformers from which gradient_checkpointing_enable() defaults to use_reentrant=False (#43203)."""
+ZERO3_QUIET_DEEPSPEED = (0, 9, 4)
+"""DeepSpeed from which ZeRO-3 builds its debug strings only when DEBUG logging is on (#3622)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +140,10 @@ class StackBehaviour:
     """Non-reentrant checkpoint stops its recompute after the last saved tensor (torch >= 2.1)."""
     eager_nvls: bool = False
     """torch's NCCL maps NVLS buffers when a communicator is created (torch 2.1-2.6)."""
+    hf_checkpoint_reentrant: bool = False
+    """transformers' gradient_checkpointing_enable() defaults to reentrant checkpoint (< 5.0)."""
+    zero3_debug_strings: bool = False
+    """DeepSpeed ZeRO-3 formats per-parameter debug strings in every fetch/release (deepspeed < 0.9.4)."""
     notes: tuple[str, ...] = ()
 
 
@@ -154,6 +172,14 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
         notes.append(f"torch {stack.torch} < 2.0: zero_grad() keeps zero-filled gradients between steps")
     early_stop = th is None or th >= CHECKPOINT_EARLY_STOP_TORCH
     eager_nvls = th is not None and EAGER_NVLS_TORCH[0] <= th[:2] < EAGER_NVLS_TORCH[1]
+    ds = version_tuple(stack.deepspeed)
+    if stack.deepspeed and ds is None:
+        notes.append(f"deepspeed {stack.deepspeed}: version not understood; ZeRO-3 hooks priced as >= 0.9.4")
+    debug_strings = ds is not None and ds < ZERO3_QUIET_DEEPSPEED
+    if debug_strings:
+        notes.append(f"deepspeed {stack.deepspeed} < 0.9.4: ZeRO-3 formats debug strings at every parameter fetch/release")
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
                           grads_kept_between_steps=kept, checkpoint_early_stop=early_stop,
-                          eager_nvls=eager_nvls, notes=tuple(notes))
+                          eager_nvls=eager_nvls, zero3_debug_strings=debug_strings,
+                          hf_checkpoint_reentrant=tf is not None and tf < HF_NON_REENTRANT_TRANSFORMERS,
+                          notes=tuple(notes))
