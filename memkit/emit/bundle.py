@@ -186,6 +186,7 @@ def readme(document: dict, *, out_dir: str) -> str:
         launch_command(document, out_dir=out_dir, smoke=True),
         "```",
         "",
+        *alloc_conf_lines(document["plan"]),
     ]
     if hw["num_nodes"] > 1:
         lines += [
@@ -255,6 +256,16 @@ def readme(document: dict, *, out_dir: str) -> str:
         lines += ["NVMe offload writes to the `nvme_path` in ds_config.json: it must be a fast local "
                   "NVMe mount on every node.", ""]
     return "\n".join(lines)
+
+
+def alloc_conf_lines(plan: dict) -> list[str]:
+    """The allocator setting the estimate priced (TrainingPlan.expandable_segments): memkit's runner
+    sets it itself (memkit/train/main.py set_alloc_conf); a script of one's own exports it."""
+    if not plan.get("expandable_segments", True):
+        return ["The memory was priced with torch's default allocator segments (PYTORCH_CUDA_ALLOC_CONF unset).", ""]
+    return ["The memory was priced with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which launch/finetune.py "
+            "sets unless you set it; with a training script of your own, export it first:", "",
+            "```", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "```", ""]
 
 
 def trainer_section(document: dict, *, out_dir: str) -> list[str]:

@@ -134,7 +134,7 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     single = {}
     for length in sorted(set(steps)):
         trace: dict = {}
-        shaped = replace(plan, seq_len=length)
+        shaped = replace(plan, seq_len=length, expandable_segments=expandable_segments)
         shaped.validate()
         single[length] = _stage(model, shaped, hardware, 0, device, stack, None, trace)
         traces[length] = trace
