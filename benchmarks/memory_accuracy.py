@@ -1,6 +1,6 @@
 """memkit's memory estimate against measured runs: real CPU training steps, then published GPU runs.
 
-    python benchmarks/memory_accuracy.py [--calibration DIR] [--verbose] [--worst N]
+    python benchmarks/memory_accuracy.py [--calibration DIR] [--holdout FILE] [--verbose] [--worst N]
 
 First table: tests/golden/cpu_measurements.json, real training steps of small HF models on CPU
 (single process and 2-process DeepSpeed ZeRO 0-3, measured with memkit's live-tensor tracker;
@@ -10,7 +10,9 @@ For every record of DIR/published_gpu_measurements.jsonl (default ../shared/cali
 to the repository root; sources cited in DIR/SOURCES.md) it prints the mapped configuration, the
 measured and predicted GiB of the matching metric (alloc = max_memory_allocated, resv = peak
 reserved, smi = nvidia-smi used, layer = one layer's saved activations) and the error, then the
-median / mean absolute error per source. Rows marked '~' were mapped to the closest plan memkit
+median / mean absolute error per source, and the upper bound's coverage per framework left out
+(its worst fold and pooled). Then the same for --holdout (benchmarks/data/holdout_memory.jsonl:
+frameworks outside the calibration, never fitted), and both sets side by side. Rows marked '~' were mapped to the closest plan memkit
 can express (reasons listed below the table); skipped rows say why. Accuracy is reported here,
 never asserted.
 """

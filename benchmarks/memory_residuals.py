@@ -12,7 +12,8 @@ per source, the quantiles computed WITHOUT that source's rows: benchmarks/memory
 them for an honest (leave-one-source-out) coverage figure. memkit's estimate has no fitted
 constant, so the residuals themselves need no refit per fold; only the quantile is estimated.
 The quantile is chosen by memkit.estimate.bounds.choose_quantile (the smallest candidate whose
-leave-one-source-out coverage reaches TARGET_COVERAGE); the coverage of every candidate is printed.
+leave-one-framework-out coverage -- memkit.calibration.framework_of -- reaches TARGET_COVERAGE);
+the pooled and worst-fold coverage of every candidate is printed.
 `--check` exits 1 when the checked-in file differs from what the data gives.
 """
 from __future__ import annotations
