@@ -8,7 +8,8 @@ nvidia-smi, which add the caching allocator's segments -- replayed from its rule
 stream, allocator.py -- and what lives outside the allocator). The second carries the larger
 uncertainty whatever the plan; pooling by plan kind (LoRA/full x GPUs) made each kind one or two
 sources, so a source memkit had not seen fell outside it more often (benchmarks/memory_accuracy.py
-prints the leave-one-source-out coverage; residuals_table.LOSO_COVERAGE is the generator's). A local profile
+prints the coverage per framework left out; residuals_table.LOFO_COVERAGE and LOFO_WORST_FOLD are
+the generator's). A local profile
 (memkit/profile.py) measured on this machine, keyed by plan kind, replaces the published margins
 when it holds runs for the same GPU and stack.
 """
