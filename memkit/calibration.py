@@ -163,7 +163,7 @@ def map_record(record: dict, *, configs_dir: Path) -> Case:
     model = _model(record, configs_dir, approx)
     if scope == "activations_per_layer":
         plan = TrainingPlan(precision="bf16-pure", engine="torch", micro_batch_size=record["micro_batch_size"],
-                            seq_len=record["seq_len"], attention="sdpa", expandable_segments=False)
+                            seq_len=record["seq_len"], attention="sdpa")
         return Case(kind="activation_probe", metric="block_saved", model=model, plan=plan,
                     hardware=Hardware(gpu=find_gpu("h100-80gb")), approx=tuple(approx),
                     summary=f"1 layer fwd bs{plan.micro_batch_size}x{plan.seq_len} bf16 sdpa", **base)
@@ -577,9 +577,7 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
         sequence_parallel=sequence_parallel,
         pp_schedule=pp_schedule, fsdp_use_orig_params=_use_orig_params(fsdp), loss=loss,
-        optimizer_in_backward=bool(record.get("optimizer_in_backward")), **clip,
-        # the sources state no PYTORCH_CUDA_ALLOC_CONF: torch's default segments
-        expandable_segments=bool(record.get("expandable_segments", False)), **lora_kw)
+        optimizer_in_backward=bool(record.get("optimizer_in_backward")), **clip, **lora_kw)
     alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
     if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):
         alternatives.append(("all at 64", replace(plan, seq_len=64)))

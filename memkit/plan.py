@@ -94,11 +94,6 @@ class TrainingPlan:
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_param_persistence_threshold: int = 100_000
     gradient_clipping: float = 1.0
-    expandable_segments: bool = True
-    """The CUDA caching allocator runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (one
-    segment per pool that grows by pages; c10/cuda/CUDACachingAllocator.cpp, Note [Expandable
-    Segments]), which memkit's runner sets unless the user set the variable (memkit/train/main.py,
-    ALLOC_CONF) and bundle READMEs export. False: torch's default segments."""
 
     # ---- derived ----
     @property

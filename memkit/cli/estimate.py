@@ -21,9 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stack", default="", metavar="PKG=VER,...",
                    help="plan for another software stack, e.g. transformers=4.40,torch=2.3 "
                         "(default: the versions installed here)")
-    p.add_argument("--default-segments", action="store_true",
-                   help="price torch's default allocator segments instead of expandable_segments:True, "
-                        "which memkit's runner sets (PYTORCH_CUDA_ALLOC_CONF)")
     v = p.add_argument_group("variable-length data (memkit/estimate/varlen.py)")
     v.add_argument("--lengths", metavar="LEN:COUNT,...",
                    help="sample lengths in tokens as a histogram, e.g. 128:500,512:300,2048:20: the run's "
@@ -60,7 +57,6 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
         lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args),
         quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
         offload_activations=args.offload_activations, optimizer_in_backward=args.optimizer_in_backward,
-        expandable_segments=not getattr(args, "default_segments", False),
         **({"gradient_clipping": 0.0} if args.optimizer_in_backward else {})).validate()
 
 
@@ -114,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
              f"{', activations offloaded to cpu' if plan.offload_activations != 'none' else ''}"
              f"{', optimizer in backward' if plan.optimizer_in_backward else ''}")
     print(render_breakdown(est, title=title))
-    if (line := alloc_conf_note(plan)):
+    if (line := alloc_conf_note()):
         print(line)
     for line in approximations:
         print(f"  approximated: {line}")
@@ -185,18 +181,16 @@ def render_varlen(v: dict) -> str:
     return "\n".join(lines)
 
 
-def alloc_conf_note(plan, environ=None) -> str:
-    """One line when this shell's PYTORCH_CUDA_ALLOC_CONF differs from the setting the estimate priced."""
+def alloc_conf_note(environ=None) -> str:
+    """One line when this shell's PYTORCH_CUDA_ALLOC_CONF differs from the default segments the
+    fixed-shape estimate prices (--lengths / --data price both settings)."""
     import os
 
     user = (os.environ if environ is None else environ).get("PYTORCH_CUDA_ALLOC_CONF")
-    if user is None:
+    if user is None or "expandable_segments:true" not in user.replace(" ", "").lower():
         return ""
-    expandable = "expandable_segments:true" in user.replace(" ", "").lower()
-    if expandable == plan.expandable_segments:
-        return ""
-    priced = "expandable_segments:True" if plan.expandable_segments else "default segments (--default-segments)"
-    return f"note: PYTORCH_CUDA_ALLOC_CONF={user!r} here, the estimate priced {priced}"
+    return (f"note: PYTORCH_CUDA_ALLOC_CONF={user!r} here; this estimate prices default segments "
+            "(--lengths/--data price expandable segments too)")
 
 
 def _calibrated(est, plan, device: str, stack):

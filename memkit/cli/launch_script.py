@@ -35,7 +35,7 @@ DEFAULT_PORT = 29500
 SHUTDOWN_LINE = ("# On SIGTERM torchrun gives workers this long to write their checkpoint before SIGKILL\n"
                  "# (torch/distributed/launcher/api.py; its default is 30 s).\n"
                  'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"')
-ALLOC_LINE = ("# The CUDA allocator configuration the plan's memory was priced with (TrainingPlan.expandable_segments);\n"
+ALLOC_LINE = ("# The CUDA allocator configuration memkit's runner sets (memkit/train/main.py ALLOC_CONF);\n"
               "# a value already set is kept.\n"
               'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"')
 

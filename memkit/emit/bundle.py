@@ -259,13 +259,11 @@ def readme(document: dict, *, out_dir: str) -> str:
 
 
 def alloc_conf_lines(plan: dict) -> list[str]:
-    """The allocator setting the estimate priced (TrainingPlan.expandable_segments): memkit's runner
-    sets it itself (memkit/train/main.py set_alloc_conf); a script of one's own exports it."""
-    if not plan.get("expandable_segments", True):
-        return ["The memory was priced with torch's default allocator segments (PYTORCH_CUDA_ALLOC_CONF unset).", ""]
-    return ["The memory was priced with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which launch/finetune.py "
-            "sets unless you set it; with a training script of your own, export it first:", "",
-            "```", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "```", ""]
+    """The allocator setting memkit's runner sets itself (memkit/train/main.py set_alloc_conf); a
+    script of one's own exports it."""
+    return ["launch/finetune.py sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless you set it "
+            "(batches of changing shapes then strand no cached segments); with a training script of your own, "
+            "export it first:", "", "```", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "```", ""]
 
 
 def trainer_section(document: dict, *, out_dir: str) -> list[str]:

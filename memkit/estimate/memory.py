@@ -402,14 +402,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
                      steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
     events = moment_events(timeline, chunks, streams)
-    expandable = cuda and plan.expandable_segments  # PYTORCH_CUDA_ALLOC_CONF (plan.py)
-    stats = replay(events, AllocatorConfig(caching=cuda, expandable_segments=expandable))
+    stats = replay(events, AllocatorConfig(caching=cuda))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
     if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
         # Over the capacity only through the cache: torch frees its cached segments and retries a
         # failing cudaMalloc; if that rescues the run, reserved is what it holds then, else report
         # what it needed (allocated > capacity runs out whatever the cache does).
-        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity, expandable_segments=expandable))
+        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity))
         if not capped.ran_out:
             stats = capped
     allocated = max(stats.allocated_peak_bytes, totals[peak_phase])

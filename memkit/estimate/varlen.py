@@ -107,7 +107,8 @@ class VarlenEstimate:
     lengths: tuple[int, ...]
     """The distinct step lengths replayed, ascending."""
     single_shape_reserved_bytes: int
-    """memory.py's reserved peak for the longest step alone (one shape, the fixed-shape estimate)."""
+    """memory.py's reserved peak for the longest step alone (one shape, the fixed-shape estimate,
+    default segments)."""
 
 
 def _sample(steps: list[int], limit: int) -> list[int]:
@@ -134,7 +135,7 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     single = {}
     for length in sorted(set(steps)):
         trace: dict = {}
-        shaped = replace(plan, seq_len=length, expandable_segments=expandable_segments)
+        shaped = replace(plan, seq_len=length)
         shaped.validate()
         single[length] = _stage(model, shaped, hardware, 0, device, stack, None, trace)
         traces[length] = trace

@@ -233,8 +233,8 @@ def _oom_report(args, where: str, message: str) -> None:
 ALLOC_CONF = "expandable_segments:True"
 """What the runner sets PYTORCH_CUDA_ALLOC_CONF to when the user has not set it, before CUDA starts
 (c10/cuda/CUDAAllocatorConfig.cpp parses it when the allocator initialises): one growing segment
-per pool, so batches of changing shapes do not strand cached segments. The estimate prices it
-(TrainingPlan.expandable_segments)."""
+per pool, so batches of changing shapes do not strand cached segments. `memkit estimate
+--lengths/--data` prices it next to the default segments (estimate/varlen.py)."""
 
 
 def set_alloc_conf(environ=os.environ) -> str:
@@ -246,8 +246,8 @@ def set_alloc_conf(environ=os.environ) -> str:
         return ""
     if "expandable_segments:true" in user.replace(" ", "").lower():
         return ""
-    return (f"PYTORCH_CUDA_ALLOC_CONF={user!r} is yours and kept; memkit priced {ALLOC_CONF} "
-            "(reserved and nvidia-smi can be higher with default segments)")
+    return (f"PYTORCH_CUDA_ALLOC_CONF={user!r} is yours and kept; memkit's runner sets {ALLOC_CONF} "
+            "(with default segments, batches of changing shapes can reserve more)")
 
 
 def main(argv: list[str] | None = None) -> int:

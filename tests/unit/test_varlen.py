@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -70,7 +69,7 @@ def tiny(tmp_path_factory):
 
 
 def test_one_length_replays_as_the_fixed_shape_estimate(tiny):
-    plan = TrainingPlan(precision="bf16", micro_batch_size=2, seq_len=256, lora_rank=8, expandable_segments=False)
+    plan = TrainingPlan(precision="bf16", micro_batch_size=2, seq_len=256, lora_rank=8)
     hw = Hardware(gpu=find_gpu("a100-80gb"))
     fixed = estimate_memory(tiny, plan, hw)
     v = estimate_varlen(tiny, plan, hw, [256, 256, 256], expandable_segments=False)
@@ -89,7 +88,7 @@ def test_growing_lengths_cost_reserved_memory_that_expandable_segments_avoid():
     steps = [256, 512, 768, 1024]
     default = estimate_varlen(model, plan, hw, steps, expandable_segments=False)
     expandable = estimate_varlen(model, plan, hw, steps, expandable_segments=True)
-    single = estimate_memory(model, replace(plan, expandable_segments=False), hw)
+    single = estimate_memory(model, plan, hw)
     assert default.allocated_peak_bytes == expandable.allocated_peak_bytes >= single.allocated_peak_bytes
     assert default.reserved_peak_bytes > 1.2 * single.reserved_peak_bytes  # the shorter steps' segments stay cached
     assert expandable.reserved_peak_bytes < default.reserved_peak_bytes
