@@ -8,4 +8,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# Variable-length LoRA steps with and without expandable segments (measured vs memkit's replay).
+python benchmarks/gpu_check_varlen.py || true
 exec python benchmarks/gpu_check.py "$@"

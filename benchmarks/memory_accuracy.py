@@ -1,6 +1,6 @@
 """memkit's memory estimate against measured runs: real CPU training steps, then published GPU runs.
 
-    python benchmarks/memory_accuracy.py [--calibration DIR] [--verbose] [--worst N]
+    python benchmarks/memory_accuracy.py [--calibration DIR] [--holdout FILE] [--verbose] [--worst N]
 
 First table: tests/golden/cpu_measurements.json, real training steps of small HF models on CPU
 (single process and 2-process DeepSpeed ZeRO 0-3, measured with memkit's live-tensor tracker;
@@ -10,7 +10,9 @@ For every record of DIR/published_gpu_measurements.jsonl (default ../shared/cali
 to the repository root; sources cited in DIR/SOURCES.md) it prints the mapped configuration, the
 measured and predicted GiB of the matching metric (alloc = max_memory_allocated, resv = peak
 reserved, smi = nvidia-smi used, layer = one layer's saved activations) and the error, then the
-median / mean absolute error per source. Rows marked '~' were mapped to the closest plan memkit
+median / mean absolute error per source, and the upper bound's coverage per framework left out
+(its worst fold and pooled). Then the same for --holdout (benchmarks/data/holdout_memory.jsonl:
+frameworks outside the calibration, never fitted), and both sets side by side. Rows marked '~' were mapped to the closest plan memkit
 can express (reasons listed below the table); skipped rows say why. Accuracy is reported here,
 never asserted.
 """
@@ -22,28 +24,38 @@ import math
 import sys
 from pathlib import Path
 
-from memkit.calibration import Outcome, cases_for_record, score, summarize
+from memkit.calibration import Outcome, cases_for_record, framework_coverage, score, summarize
 from memkit.estimate.bounds import QUANTILE_LABEL
 from memkit.units import GIB
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CALIBRATION = REPO.parent / "shared" / "calibration"
+if not DEFAULT_CALIBRATION.is_dir() and (REPO.parent.parent / "shared" / "calibration").is_dir():
+    DEFAULT_CALIBRATION = REPO.parent.parent / "shared" / "calibration"  # a worktree one level deeper
 CONFIGS_DIR = Path(__file__).resolve().parent / "calibration_configs"
 _METRIC_SHORT = {"allocated": "alloc", "reserved": "resv", "nvidia_smi": "smi", "block_saved": "layer", "-": "-"}
 
 
-def read_records(calibration_dir: Path) -> list[dict]:
-    path = Path(calibration_dir) / "published_gpu_measurements.jsonl"
-    with path.open() as fh:
+DEFAULT_HOLDOUT = Path(__file__).resolve().parent / "data" / "holdout_memory.jsonl"
+"""Measured GPU runs from frameworks outside the calibration (benchmarks/data/SOURCES_holdout_memory.md),
+scored here and kept out of every fit: memory_residuals.py reads only --calibration."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with Path(path).open() as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def read_records(calibration_dir: Path) -> list[dict]:
+    return read_jsonl(Path(calibration_dir) / "published_gpu_measurements.jsonl")
+
+
+def outcomes_of(records: list[dict]) -> list[Outcome]:
+    return [score(case) for record in records for case in cases_for_record(record, configs_dir=CONFIGS_DIR)]
+
+
 def published_outcomes(calibration_dir: Path) -> list[Outcome]:
-    outcomes = []
-    for record in read_records(calibration_dir):
-        for case in cases_for_record(record, configs_dir=CONFIGS_DIR):
-            outcomes.append(score(case))
-    return outcomes
+    return outcomes_of(read_records(calibration_dir))
 
 
 GOLDEN = REPO / "tests" / "golden" / "cpu_measurements.json"
@@ -160,7 +172,7 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
         out.append("")
         out.append(f"Summary, {title}: regression |error| %, signed mean %, >hdrm = % of rows measured above "
                    "predicted/0.9 (a plan sized to the 10% headroom would OOM), upper = % of rows at or under "
-                   f"the {QUANTILE_LABEL} upper bound (margin computed without the row's source), bound checks")
+                   f"the {QUANTILE_LABEL} upper bound (margin computed without the row's framework), bound checks")
         out.append(f"  {'source':<40} {'n':>3} {'median':>7} {'mean':>7} {'signed':>7} {'>hdrm':>6} {'upper':>6}"
                    f"   {'probe n/med':>11}   {'bounds':>9} {'skip':>5} {'err':>4}")
         stats = summarize(outcomes, exact_only=exact)
@@ -171,6 +183,18 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
                        f"{_fmt(s['mean_abs_pct']):>7} {_fmt(s['mean_signed_pct']):>7} "
                        f"{_fmt(s['beyond_headroom_pct']):>6} {_fmt(s['upper_coverage_pct']):>6}   {probe:>11}   "
                        f"{s['bounds_pass']:>3}P/{s['bounds_fail']:<3}F {s['skipped']:>5} {s['errors']:>4}")
+
+    out.append("")
+    out.append(f"{QUANTILE_LABEL} upper-bound coverage by framework (margin computed without the framework; "
+               "frameworks outside the calibration get the published margin):")
+    cov = framework_coverage(outcomes)
+    for name, (c, n) in sorted(cov.items()):
+        out.append(f"  {name:<40} {n:>3} rows  {100 * c / n:5.1f}% under the bound")
+    if cov:
+        worst = min(cov, key=lambda k: cov[k][0] / cov[k][1])
+        covered, total = sum(c for c, _ in cov.values()), sum(n for _, n in cov.values())
+        out.append(f"  worst fold {worst} {100 * cov[worst][0] / cov[worst][1]:.1f}%, pooled {100 * covered / total:.1f}% "
+                   f"of {total} rows")
 
     if verbose:
         rows = [o for o in outcomes if o.estimate is not None and o.error_pct is not None]
@@ -192,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
                         help=f"folder holding published_gpu_measurements.jsonl (default {DEFAULT_CALIBRATION})")
+    parser.add_argument("--holdout", type=Path, default=DEFAULT_HOLDOUT,
+                        help=f"held-out measured runs, scored separately and never fitted (default {DEFAULT_HOLDOUT})")
     parser.add_argument("--verbose", action="store_true", help="component breakdown of the worst rows")
     parser.add_argument("--worst", type=int, default=10, help="how many worst rows --verbose breaks down")
     args = parser.parse_args(argv)
@@ -200,8 +226,29 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.calibration / "published_gpu_measurements.jsonl").is_file():
         print(f"no published_gpu_measurements.jsonl in {args.calibration}; pass --calibration DIR", file=sys.stderr)
         return 2
-    print(render(published_outcomes(args.calibration), verbose=args.verbose, worst=args.worst))
+    dev = published_outcomes(args.calibration)
+    print("## DEV: the calibration the margins are chosen on")
+    print(render(dev, verbose=args.verbose, worst=args.worst))
+    if not args.holdout.is_file():
+        print(f"no holdout file {args.holdout}; pass --holdout FILE", file=sys.stderr)
+        return 2
+    holdout = outcomes_of(read_jsonl(args.holdout))
+    print()
+    print(f"## HOLDOUT: {args.holdout.name}, frameworks outside the calibration, never fitted")
+    print(render(holdout, verbose=args.verbose, worst=args.worst))
+    print()
+    print(side_by_side(dev, holdout))
     return 0
+
+
+def side_by_side(dev: list[Outcome], holdout: list[Outcome]) -> str:
+    """One line per set: the issue's four figures over all mapped regression rows."""
+    lines = [f"{'set':<8} {'n':>3} {'median':>7} {'signed':>7} {'>hdrm':>6} {'upper':>6}"]
+    for name, outcomes in (("dev", dev), ("holdout", holdout)):
+        s = summarize(outcomes)["ALL"]
+        lines.append(f"{name:<8} {s['n_regression']:>3} {_fmt(s['median_abs_pct']):>7} {_fmt(s['mean_signed_pct']):>7} "
+                     f"{_fmt(s['beyond_headroom_pct']):>6} {_fmt(s['upper_coverage_pct']):>6}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

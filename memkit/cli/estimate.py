@@ -21,6 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stack", default="", metavar="PKG=VER,...",
                    help="plan for another software stack, e.g. transformers=4.40,torch=2.3 "
                         "(default: the versions installed here)")
+    v = p.add_argument_group("variable-length data (memkit/estimate/varlen.py)")
+    v.add_argument("--lengths", metavar="LEN:COUNT,...",
+                   help="sample lengths in tokens as a histogram, e.g. 128:500,512:300,2048:20: the run's "
+                        "steps are replayed through the caching allocator at their padded lengths, with "
+                        "and without expandable_segments")
+    v.add_argument("--data", metavar="FILE",
+                   help="the training file (the runner's formats): its length histogram, tokenized as the "
+                        "runner does with the model folder's tokenizer (else memkit's byte tokenizer)")
+    v.add_argument("--padding", choices=("longest", "multiple", "seq-len", "packed"), default="longest",
+                   help="how a batch is padded with --lengths/--data: to its longest sample (default, "
+                        "DataCollatorWithPadding), to a multiple of --pad-multiple, to --seq-len, or packed")
+    v.add_argument("--pad-multiple", type=int, default=64, help="pad_to_multiple_of with --padding multiple (default 64)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="price a step on this device (default cuda); cpu: the same loop run on the CPU, as "
                         "tests/golden/cpu_measurements.json measures it (no CUDA context or allocator cache); "
@@ -63,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # a CPU estimate (`--device cpu`) is calibrated by CPU verify runs
     device_key = "cpu" if args.device == "cpu" else hardware.gpu.name
     est = _calibrated(est, plan, device_key, stack)
+    varlen = _varlen(args, model, plan, hardware, stack)
     speed = _step_time(model, plan, hardware, stack)
     from memkit.estimate.activations import activation_source
 
@@ -80,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         out["step_time"] = speed.to_dict()
         out["device"] = args.device
         out["approximations"] = list(approximations)
+        if varlen:
+            out["variable_length"] = varlen
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -95,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
              f"{', activations offloaded to cpu' if plan.offload_activations != 'none' else ''}"
              f"{', optimizer in backward' if plan.optimizer_in_backward else ''}")
     print(render_breakdown(est, title=title))
+    if (line := alloc_conf_note()):
+        print(line)
     for line in approximations:
         print(f"  approximated: {line}")
     gib = 1024 ** 3
@@ -102,8 +119,78 @@ def run(args: argparse.Namespace) -> int:
           f"{est.allocated_peak_upper_bytes / gib:.2f}, reserved {est.reserved_peak_upper_bytes / gib:.2f}, "
           f"nvidia-smi {est.nvidia_smi_peak_upper_bytes / gib:.2f} GiB; predicted nvidia-smi "
           f"{est.nvidia_smi_peak_bytes / gib:.2f} GiB")
+    if varlen:
+        print(render_varlen(varlen))
     print(render_step_time(speed))
     return 0
+
+
+def _varlen(args, model, plan, hardware, stack) -> dict | None:
+    """With --lengths or --data: the run's steps at their padded lengths, replayed with and without
+    expandable segments (estimate/varlen.py)."""
+    if not (args.lengths or args.data):
+        return None
+    from memkit.errors import MemkitError
+    from memkit.estimate.varlen import estimate_varlen, padding_waste, parse_lengths, step_lengths
+
+    if args.lengths and args.data:
+        raise MemkitError("--lengths and --data both given; use one")
+    if args.lengths:
+        lengths, where = parse_lengths(args.lengths), "--lengths"
+    else:
+        lengths, where = data_lengths(args.data, args.model, model.vocab_size), f"--data {args.data}"
+    steps = step_lengths(lengths, micro_batch=plan.micro_batch_size, seq_len=plan.seq_len,
+                         padding=args.padding, multiple=args.pad_multiple)
+    out = {"source": where, "samples": len(lengths), "padding": args.padding, "steps": len(steps),
+           "longest_sample": max(lengths), "truncated_samples": sum(n > plan.seq_len for n in lengths),
+           "padding_waste": round(padding_waste(lengths, steps, micro_batch=plan.micro_batch_size,
+                                                seq_len=plan.seq_len), 4)}
+    for expandable in (False, True):
+        v = estimate_varlen(model, plan, hardware, steps, expandable_segments=expandable, device=args.device,
+                            stack=stack)
+        out["expandable_segments" if expandable else "default_segments"] = {
+            "allocated_peak_bytes": v.allocated_peak_bytes, "reserved_peak_bytes": v.reserved_peak_bytes,
+            "nvidia_smi_peak_bytes": v.nvidia_smi_peak_bytes, "replayed_steps": v.num_steps,
+            "distinct_lengths": len(v.lengths), "single_shape_reserved_bytes": v.single_shape_reserved_bytes}
+    return out
+
+
+def data_lengths(data: str, model_arg: str, vocab_size: int) -> list[int]:
+    """Tokens per example of `data`, by the runner's tokenisation (memkit/train/data.py) with the
+    model folder's tokenizer when `model_arg` is a folder that has one."""
+    from pathlib import Path
+
+    from memkit.train.data import example_lengths
+    from memkit.train.tokenizer import load_tokenizer
+
+    folder = Path(model_arg)
+    return example_lengths(data, load_tokenizer(folder if folder.is_dir() else None, vocab_size=vocab_size))
+
+
+def render_varlen(v: dict) -> str:
+    gib = 1024 ** 3
+    lines = [f"variable-length data ({v['source']}: {v['samples']} samples, longest {v['longest_sample']} tokens"
+             f"{', ' + str(v['truncated_samples']) + ' truncated to --seq-len' if v['truncated_samples'] else ''}), "
+             f"padding {v['padding']}: {v['steps']} steps, {v['padding_waste']:.0%} of the computed tokens are padding"]
+    for key, label in (("default_segments", "default segments"), ("expandable_segments", "expandable_segments:True")):
+        r = v[key]
+        lines.append(f"  {label:<26} reserved {r['reserved_peak_bytes'] / gib:6.2f} GiB, nvidia-smi "
+                     f"{r['nvidia_smi_peak_bytes'] / gib:6.2f} GiB ({r['replayed_steps']} steps replayed, "
+                     f"{r['distinct_lengths']} lengths; one longest-shape step alone reserves "
+                     f"{r['single_shape_reserved_bytes'] / gib:.2f} GiB)")
+    return "\n".join(lines)
+
+
+def alloc_conf_note(environ=None) -> str:
+    """One line when this shell's PYTORCH_CUDA_ALLOC_CONF differs from the default segments the
+    fixed-shape estimate prices (--lengths / --data price both settings)."""
+    import os
+
+    user = (os.environ if environ is None else environ).get("PYTORCH_CUDA_ALLOC_CONF")
+    if user is None or "expandable_segments:true" not in user.replace(" ", "").lower():
+        return ""
+    return (f"note: PYTORCH_CUDA_ALLOC_CONF={user!r} here; this estimate prices default segments "
+            "(--lengths/--data price expandable segments too)")
 
 
 def _calibrated(est, plan, device: str, stack):

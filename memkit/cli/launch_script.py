@@ -38,6 +38,9 @@ default): 600 s of TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the save plus a minute for
 SHUTDOWN_LINE = ("# On SIGTERM torchrun gives workers this long to write their checkpoint before SIGKILL\n"
                  "# (torch/distributed/launcher/api.py; its default is 30 s).\n"
                  'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"')
+ALLOC_LINE = ("# The CUDA allocator configuration memkit's runner sets (memkit/train/main.py ALLOC_CONF);\n"
+              "# a value already set is kept.\n"
+              'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,6 +204,7 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         "set -euo pipefail",
         f"cd {shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
+        ALLOC_LINE,
         'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MEMKIT_MASTER_PORT={port}",
         # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.cli.supervise.launcher_env).
@@ -249,6 +253,7 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         'RUN_ID="${MEMKIT_RUN_ID:-$(date +%s)-$$}"',
         f"WORKDIR={shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
+        ALLOC_LINE,
         _args_array(finetune_args),
         'if [[ "${1:-}" == "--node" ]]; then',
         '  : "${MACHINE_RANK:?set MACHINE_RANK to the index of this host in HOSTS}"',

@@ -242,6 +242,7 @@ def readme(document: dict, *, out_dir: str) -> str:
         train_command(document, out_dir=out_dir, smoke=True),
         "```",
         "",
+        *alloc_conf_lines(document["plan"]),
     ]
     if hw["num_nodes"] > 1:
         lines += [
@@ -311,6 +312,14 @@ def readme(document: dict, *, out_dir: str) -> str:
         lines += ["NVMe offload writes to the `nvme_path` in ds_config.json: it must be a fast local "
                   "NVMe mount on every node.", ""]
     return "\n".join(lines)
+
+
+def alloc_conf_lines(plan: dict) -> list[str]:
+    """The allocator setting memkit's runner sets itself (memkit/train/main.py set_alloc_conf); a
+    script of one's own exports it."""
+    return ["launch/finetune.py sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless you set it "
+            "(batches of changing shapes then strand no cached segments); with a training script of your own, "
+            "export it first:", "", "```", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "```", ""]
 
 
 def trainer_section(document: dict, *, out_dir: str) -> list[str]:

@@ -8,7 +8,8 @@ nvidia-smi, which add the caching allocator's segments -- replayed from its rule
 stream, allocator.py -- and what lives outside the allocator). The second carries the larger
 uncertainty whatever the plan; pooling by plan kind (LoRA/full x GPUs) made each kind one or two
 sources, so a source memkit had not seen fell outside it more often (benchmarks/memory_accuracy.py
-prints the leave-one-source-out coverage; residuals_table.LOSO_COVERAGE is the generator's). A local profile
+prints the coverage per framework left out; residuals_table.LOFO_COVERAGE and LOFO_WORST_FOLD are
+the generator's). A local profile
 (memkit/profile.py) measured on this machine, keyed by plan kind, replaces the published margins
 when it holds runs for the same GPU and stack.
 """
@@ -24,7 +25,7 @@ TARGET_COVERAGE = 0.90
 calibration (issue 9: "upper bounds cover >= 90 % of rows", judged leave-one-source-out)."""
 QUANTILE_GRID = tuple(round(0.90 + 0.005 * i, 3) for i in range(21))
 """Candidate quantiles, p90 to p100 in 0.5 % steps. The generator takes the smallest whose
-leave-one-source-out coverage reaches TARGET_COVERAGE (the last when none does) and writes it to
+leave-one-framework-out coverage reaches TARGET_COVERAGE (the last when none does) and writes it to
 residuals_table.QUANTILE. The quantile is chosen held out because an in-sample p90 does not cover
 90 % of a source it has not seen: with five sources, p90 covered 85 % of held-out rows."""
 
@@ -72,19 +73,37 @@ def pooled_margins(rows, q: float) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def loso_coverage(rows, q: float) -> float:
-    """Share of rows whose residual is within the margin computed without their source (the
-    bound covers the row when measured <= predicted * (1 + max(0, margin)), bounds.margin)."""
-    covered = 0
-    for s in {s for s, _, _ in rows}:
-        t = pooled_margins([r for r in rows if r[0] != s], q)
-        covered += sum(r <= max(0.0, t.get(k, t["all"])) for src, k, r in rows if src == s)
-    return covered / len(rows) if rows else 0.0
+def fold_counts(rows, q: float, group_of=None) -> dict[str, tuple[int, int]]:
+    """Per left-out group (a source, or with `group_of` the framework of a source): (rows whose
+    residual is within the margin computed without the group, rows of the group). The bound covers
+    a row when measured <= predicted * (1 + max(0, margin)), bounds.margin."""
+    group_of = group_of or (lambda source: source)
+    out = {}
+    for g in sorted({group_of(s) for s, _, _ in rows}):
+        t = pooled_margins([r for r in rows if group_of(r[0]) != g], q)
+        held = [(k, r) for src, k, r in rows if group_of(src) == g]
+        out[g] = (sum(r <= max(0.0, t.get(k, t["all"])) for k, r in held), len(held))
+    return out
 
 
-def choose_quantile(rows) -> tuple[float, float]:
-    """(quantile, its leave-one-source-out coverage): the smallest candidate reaching the target."""
+def loso_coverage(rows, q: float, group_of=None) -> float:
+    """Pooled share of rows within the margin computed without their source (or their framework,
+    with `group_of`): fold_counts summed over the folds."""
+    counts = fold_counts(rows, q, group_of).values()
+    return sum(c for c, _ in counts) / len(rows) if rows else 0.0
+
+
+def worst_fold(rows, q: float, group_of=None) -> tuple[str, float]:
+    """(group, coverage) of the left-out group its margins cover worst."""
+    counts = fold_counts(rows, q, group_of)
+    return min(((g, c / n) for g, (c, n) in counts.items()), key=lambda gc: gc[1], default=("-", 0.0))
+
+
+def choose_quantile(rows, group_of=None) -> tuple[float, float]:
+    """(quantile, its pooled held-out coverage): the smallest candidate reaching the target, each
+    source left out in turn, or with `group_of` each framework (benchmarks/memory_residuals.py
+    passes memkit.calibration.framework_of: a framework's sources share its failure modes)."""
     for q in QUANTILE_GRID:
-        if (cov := loso_coverage(rows, q)) >= TARGET_COVERAGE:
+        if (cov := loso_coverage(rows, q, group_of)) >= TARGET_COVERAGE:
             return q, cov
-    return QUANTILE_GRID[-1], loso_coverage(rows, QUANTILE_GRID[-1])
+    return QUANTILE_GRID[-1], loso_coverage(rows, QUANTILE_GRID[-1], group_of)

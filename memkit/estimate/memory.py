@@ -195,7 +195,11 @@ def _small_params(model: ModelSpec) -> int:
 
 
 def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
-           stack: Stack | None = None, capacity_bytes: int | None = None) -> MemoryEstimate:
+           stack: Stack | None = None, capacity_bytes: int | None = None,
+           trace: dict | None = None) -> MemoryEstimate:
+    """One stage's estimate. `trace`, when given, receives the replay's inputs (timeline, chunks,
+    streams, the bytes outside the allocator, and the slice of the timeline that is one
+    steady-state step) for estimate/varlen.py, which strings steps of several shapes together."""
     habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
     st = model_states(plan, rp, device=device)
@@ -394,6 +398,9 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
     chunks = {**_shard_chunks(_chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), timeline),
               "pipeline_buffers": (blk.input_bytes,), "pipeline_logits": (max(1, logits_bytes),)}
+    if trace is not None:
+        trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
+                     steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
     events = moment_events(timeline, chunks, streams)
     stats = replay(events, AllocatorConfig(caching=cuda))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside

@@ -13,6 +13,7 @@ are in memkit.measure.deepspeed_step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from memkit.errors import MemkitError
@@ -127,8 +128,9 @@ def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:
 
 def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
                      lr: float = 1e-4, foreach: bool = True, checkpoint_reentrant: bool = False,
-                     set_to_none: bool = True) -> dict:
+                     set_to_none: bool = True, seq_lens: list[int] | None = None) -> dict:
     """Run `num_steps` real optimizer steps under a LiveTensorTracker; return the measured figures.
+    `seq_lens`: one sequence length per step (variable-length data; num_steps = len(seq_lens)).
 
     Precision: fp32; bf16 = autocast(bfloat16) with fp32 params (mixed); bf16-pure = params,
     grads and optimizer states in bfloat16. `set_to_none=False` zero-fills the gradients between
@@ -147,6 +149,8 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
     if num_steps < 2:
         raise MemkitError(f"--steps {num_steps}: need >= 2 so the last step has optimizer states")
 
+    if seq_lens:
+        num_steps = len(seq_lens)
     generator = torch.Generator().manual_seed(seed + 1)
     folder = contextlib.ExitStack()
     quantized_from = fresh_checkpoint(model_config, plan, seed, folder) if plan.is_quantized else None
@@ -174,7 +178,8 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         tracker.tag(params, "param")
         for step in range(num_steps):
             for _micro in range(plan.grad_accum):
-                batch = random_batch(vocab_size, plan, generator)
+                batch = random_batch(vocab_size, dataclasses.replace(plan, seq_len=seq_lens[step]) if seq_lens
+                                     else plan, generator)
                 with tracker.phase(f"forward#{step}"):
                     # --offload-activations: saved tensors to a store the tracker does not see, as a
                     # GPU's counters would not see pinned host copies (train/backward_techniques.py).

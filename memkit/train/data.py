@@ -152,30 +152,46 @@ EXAMPLE_PARTS = {"prompt_completion": "prompt + completion + eos", "alpaca": "pr
                  "chat": "the conversation rendered with its chat template"}
 
 
-def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
-                       source: str, what: str, truncate: bool = False, isolate: bool = False) -> PackedData:
+def example_lengths(source: str, tokenizer) -> list[int]:
+    """Tokens per example of `source` as the runner tokenizes it (_examples: text documents with
+    their EOS, prompt + completion / alpaca + EOS, chat rendered by its template), in file order:
+    the length histogram `memkit estimate --data` prices (memkit/estimate/varlen.py)."""
+    if _is_synthetic(source):
+        raise MemkitError(f"--data {source}: synthetic data has no lengths of its own; pass a file, or --lengths")
+    kind, records = read_records(source)
+    return [len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}")]
+
+
+def _examples(kind: str, records: list[dict], tokenizer, *, what: str) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) of each record, before packing or padding."""
     from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
 
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if kind == "text":
         ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
-        if packing:
-            return _pack_text(ids, eos=eos, seq_len=seq_len, source=source, what=what)
-        examples = [(list(doc) + [eos], list(doc) + [eos]) for doc in ids]
-        return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
+        return [(list(doc) + [eos], list(doc) + [eos]) for doc in ids]
     if kind == "chat":
         ensure_chat_template(tokenizer)
-        examples = [chat_example(tokenizer, r["messages"], where=f"{what}: {r['_where']}") for r in records]
+        return [chat_example(tokenizer, r["messages"], where=f"{what}: {r['_where']}") for r in records]
+    if kind == "alpaca":
+        prompts_text, answers_text = [alpaca_prompt(r) for r in records], [r["output"] for r in records]
     else:
-        if kind == "alpaca":
-            prompts_text, answers_text = [alpaca_prompt(r) for r in records], [r["output"] for r in records]
-        else:
-            prompts_text, answers_text = [r["prompt"] for r in records], [r["completion"] for r in records]
-        prompts = tokenizer(prompts_text, add_special_tokens=False)["input_ids"]
-        answers = tokenizer(answers_text, add_special_tokens=False)["input_ids"]
-        examples = [(list(p) + list(a) + [eos], [IGNORE_INDEX] * len(p) + list(a) + [eos])
-                    for p, a in zip(prompts, answers)]
+        prompts_text, answers_text = [r["prompt"] for r in records], [r["completion"] for r in records]
+    prompts = tokenizer(prompts_text, add_special_tokens=False)["input_ids"]
+    answers = tokenizer(answers_text, add_special_tokens=False)["input_ids"]
+    return [(list(p) + list(a) + [eos], [IGNORE_INDEX] * len(p) + list(a) + [eos])
+            for p, a in zip(prompts, answers)]
+
+
+def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
+                       source: str, what: str, truncate: bool = False, isolate: bool = False) -> PackedData:
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    examples = _examples(kind, records, tokenizer, what=what)
+    if kind == "text":
+        if packing:  # _pack_text closes each document with its EOS itself
+            return _pack_text([ids[:-1] for ids, _ in examples], eos=eos, seq_len=seq_len, source=source, what=what)
+        return _one_per_row(examples, kind=kind, pad=pad, seq_len=seq_len, source=source)
     too_long = [i for i, (ids, _) in enumerate(examples) if len(ids) > seq_len]
     if too_long and not truncate:
         ids, record = examples[too_long[0]][0], records[too_long[0]]

@@ -314,8 +314,30 @@ def _oom_report(args, where: str, message: str) -> None:
     sys.stderr.write(f"finetune: out of memory on rank {rank} at {where}: {message}\n")
 
 
+ALLOC_CONF = "expandable_segments:True"
+"""What the runner sets PYTORCH_CUDA_ALLOC_CONF to when the user has not set it, before CUDA starts
+(c10/cuda/CUDAAllocatorConfig.cpp parses it when the allocator initialises): one growing segment
+per pool, so batches of changing shapes do not strand cached segments. `memkit estimate
+--lengths/--data` prices it next to the default segments (estimate/varlen.py)."""
+
+
+def set_alloc_conf(environ=os.environ) -> str:
+    """Set PYTORCH_CUDA_ALLOC_CONF to ALLOC_CONF unless the user set it; return a one-line note
+    when the user's setting differs from what memkit priced (else '')."""
+    user = environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if user is None:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+        return ""
+    if "expandable_segments:true" in user.replace(" ", "").lower():
+        return ""
+    return (f"PYTORCH_CUDA_ALLOC_CONF={user!r} is yours and kept; memkit's runner sets {ALLOC_CONF} "
+            "(with default segments, batches of changing shapes can reserve more)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from memkit.validate import check_args, harden
+
+    alloc_note = set_alloc_conf()
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
     add_arguments(parser)
@@ -337,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"finetune: error: {exc}\n")
         return exc.exit_code
     run = prepared.run
+    if rank == 0 and alloc_note:
+        sys.stderr.write(f"finetune: {alloc_note}\n")
     if rank == 0 and prepared.init_note:
         sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
     if rank == 0:
