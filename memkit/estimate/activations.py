@@ -385,11 +385,13 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
 
 def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):
     """The traced activations of `spec`, or None where its module cannot be traced (activation_source)."""
-    from memkit.estimate.traced import trace_plan  # lazy: torch only for traced models
+    from memkit.estimate.traced import RefusedVariant, trace_plan  # lazy: torch only for traced models
 
     try:
         return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
                           micro_batch_size=micro_batch_size, device=device)
+    except RefusedVariant:  # the libraries refuse the plan itself: say why, price nothing
+        raise
     except Exception:  # noqa: BLE001 -- any failure inside a foreign module: fall back, and say so
         return None
 

@@ -183,7 +183,8 @@ def _shrunk(hf_config, k: int):
     for key in layer_count_keys(hf_config):
         setattr(hf_config, key, min(getattr(hf_config, key), k))
     types = getattr(hf_config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == n:
+    derived = isinstance(getattr(type(hf_config), "layer_types", None), property)  # Mamba, Jamba: from the count
+    if isinstance(types, (list, tuple)) and len(types) == n and not derived:
         hf_config.layer_types = list(types[:k])
     return hf_config
 
@@ -207,6 +208,8 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     auto = getattr(transformers, auto_class)
     try:  # built on the meta device (no init, and peft's adapter moves are no-ops there), then faked
         model, attn, note = _build(auto, hf_config, attn, dtype, lora_rank, lora_targets, lora_dropout)
+    except RefusedVariant:
+        raise
     except Exception as exc:
         raise MemkitError(f"cannot build {hf_config.model_type} for tracing ({type(exc).__name__}: "
                           f"{str(exc)[:200]})") from None
@@ -296,9 +299,20 @@ def _build(auto, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tupl
         if lora_rank:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets),
-                                                     lora_dropout=0.05 if lora_dropout else 0.0))
+            try:
+                model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets),
+                                                         lora_dropout=0.05 if lora_dropout else 0.0))
+            except ValueError as exc:  # e.g. peft refuses out_proj / conv1d for Mamba (tuners/lora/model.py)
+                raise RefusedVariant(
+                    f"--lora-targets {','.join(lora_targets)}: peft refuses them for {hf_config.model_type} "
+                    f"({str(exc).splitlines()[0][:120]}); pass other Linear names of its blocks"
+                    + (", e.g. in_proj,x_proj" if "mamba" in hf_config.model_type else "")) from None
     return model, attn, note
+
+
+class RefusedVariant(MemkitError):
+    """A plan the real libraries refuse for this model (one line: why, and what to pass instead);
+    the estimate says so instead of pricing a stand-in block."""
 
 
 def from_config(auto, hf_config, attn: str, dtype):
