@@ -70,6 +70,9 @@ class BlockActivations:
     copy that dies when the node returns; the other nodes' tensors are on the host or freed).
     None where the tape is not replayed (traced families): then saved + transient bytes."""
     recompute_transient_bytes: int = 0
+    layers: tuple[tuple[int, int], ...] = ()
+    """State-space and hybrid stacks: (saved bytes, backward temporaries) of each of the model's
+    blocks in order, which the phase walk (estimate/memory.py) uses instead of the mean; else ()."""
     """Unsaved tensors alive at the recompute's widest LoRA'd linear (its input, peft's cast of
     it, the dropout output, the base output) plus the residual the block's frame holds; 0 without
     LoRA or for traced families (not priced there)."""
@@ -366,21 +369,29 @@ def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: 
     transient = 2 * tokens * spec.hidden_size * num.stream_itemsize + tokens * widest * act
     if uses_scores:  # grads of the probabilities and of the scores (softmax backward)
         transient = max(transient, (spec.num_attention_heads // plan.tp) * tokens * plan.seq_len * act)
+    layers = ()
+    if trace is not None and trace.layers:
+        # State-space and hybrid stacks (transformers/models/jamba/modeling_jamba.py: Mamba and
+        # attention blocks interleave by attn_layer_period / attn_layer_offset): each block's saved
+        # bytes, and its backward temporaries plus its selective scan's backward (estimate/ssm.py).
+        layers = tuple((saved_j, transient + scan_j) for saved_j, scan_j in trace.layers)
     if trace is None:  # with offload: the widest node's unpacked tensors + the gradients in flight,
         # or a Python GELU's pow node with the residual stream's gradient held beside it
         offloaded = max(transient + node_saved, tokens * spec.hidden_size * num.stream_itemsize + gelu_bwd)
     return BlockActivations(saved_bytes=saved, input_bytes=x.nbytes,
                             backward_transient_bytes=transient, by_label=labels, offloaded_backward_bytes=offloaded,
-                            recompute_transient_bytes=lora_live + x.nbytes if lora_live else 0)
+                            recompute_transient_bytes=lora_live + x.nbytes if lora_live else 0, layers=layers)
 
 
 def _trace(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int, device: str):
     """The traced activations of `spec`, or None where its module cannot be traced (activation_source)."""
-    from memkit.estimate.traced import trace_plan  # lazy: torch only for traced models
+    from memkit.estimate.traced import RefusedVariant, trace_plan  # lazy: torch only for traced models
 
     try:
         return trace_plan(json.loads(spec.extra["traced_config"]), auto_class=spec.extra["auto_class"], plan=plan,
                           micro_batch_size=micro_batch_size, device=device)
+    except RefusedVariant:  # the libraries refuse the plan itself: say why, price nothing
+        raise
     except Exception:  # noqa: BLE001 -- any failure inside a foreign module: fall back, and say so
         return None
 

@@ -238,7 +238,13 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     full_block = per_layer + autocast_copy
     ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
 
+    # Hybrid stacks (Jamba: Mamba and attention blocks) give each block's own saved bytes and
+    # backward temporaries (estimate/activations.py BlockActivations.layers); others, the mean.
+    layers = blk.layers if len(blk.layers) == n_layers else ()
+
     def kept_one(j: int) -> int:  # bytes kept by blocks 0..j-1 of one micro-batch
+        if layers and j <= n_layers:
+            return min(j, k_ckpt) * ckpt_kept + sum(saved + autocast_copy for saved, _t in layers[k_ckpt:j])
         return min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block
 
     def kept_below(j: int) -> int:  # ... of every in-flight micro-batch
@@ -326,15 +332,15 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
         # with activation offload the blocks below live on the host
         remaining = (0 if offload else kept_one(j) + (in_flight - 1) * kept_one(n_layers)) + embed_saved
-        transient = blk.backward_transient_bytes
+        transient = layers[j][1] if layers else blk.backward_transient_bytes
         if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
-            current = per_layer + autocast_copy + blk.input_bytes
+            current = (layers[j][0] if layers else per_layer) + autocast_copy + blk.input_bytes
         elif offload and blk.offloaded_backward_bytes is not None:
             # each node's saved tensors come back when it runs and go when it returns: the widest
             # node's, with the gradients in flight (estimate/activations.py), and one weight copy
             current, transient = 0, blk.offloaded_backward_bytes + largest_autocast_copy_bytes(model, plan)
         else:
-            current = full_block
+            current = layers[j][0] + autocast_copy if layers else full_block
         if j < k_ckpt and blk.recompute_transient_bytes:
             # The recompute's last moments, before block j's backward starts: its whole tape, the
             # grad of its output, and the unsaved tensors at its widest LoRA'd linear

@@ -57,6 +57,10 @@ class Trace:
     attention: str
     """The attention implementation the trace ran ('sdpa' or 'eager')."""
     notes: tuple[str, ...] = ()
+    layers: tuple[tuple[int, int], ...] = ()
+    """Models with a selective scan (estimate/ssm.py): per block of the real model, in order, its
+    saved bytes and the bytes its scan's backward holds beyond them (0 for an attention block of a
+    hybrid stack); () for every other model."""
 
 
 def trace_plan(config: dict, *, auto_class: str, plan, micro_batch_size: int, device: str) -> Trace:
@@ -77,7 +81,8 @@ def trace_plan(config: dict, *, auto_class: str, plan, micro_batch_size: int, de
     return Trace(block_saved_bytes=at(one.block_saved_bytes, two.block_saved_bytes),
                  embedding_saved_bytes=at(one.embedding_saved_bytes, two.embedding_saved_bytes),
                  head_saved_bytes=at(one.head_saved_bytes, two.head_saved_bytes),
-                 num_blocks=one.num_blocks, attention=one.attention, notes=one.notes)
+                 num_blocks=one.num_blocks, attention=one.attention, notes=one.notes,
+                 layers=tuple((at(a1, a2), at(c1, c2)) for (a1, c1), (a2, c2) in zip(one.layers, two.layers)))
 
 
 def build_config(config: dict):
@@ -94,10 +99,23 @@ def build_config(config: dict):
 
 
 def auto_class_for(hf_config) -> str:
-    """The first of AUTO_CLASSES whose mapping builds this config class."""
+    """The LM class memkit trains for this config: an encoder-decoder (`is_encoder_decoder`: BART, T5)
+    its seq2seq LM; an encoder (a masked-LM class and not `is_decoder`: ELECTRA, BERT, DistilBERT) its
+    masked LM -- e.g. ElectraForCausalLM is the encoder misused as a decoder (transformers warns
+    "add `is_decoder=True`", electra/modeling_electra.py ElectraForCausalLM.__init__), and
+    BartForCausalLM is BART's decoder alone without the encoder (bart/modeling_bart.py); else the
+    first of AUTO_CLASSES whose mapping builds this config class."""
     import transformers
 
-    for name in AUTO_CLASSES:
+    order = list(AUTO_CLASSES)
+    if getattr(hf_config, "is_encoder_decoder", False):
+        order.remove("AutoModelForSeq2SeqLM")
+        order.insert(0, "AutoModelForSeq2SeqLM")
+    elif not getattr(hf_config, "is_decoder", False) \
+            and type(hf_config) in transformers.AutoModelForMaskedLM._model_mapping:
+        order.remove("AutoModelForMaskedLM")
+        order.insert(0, "AutoModelForMaskedLM")
+    for name in order:
         if type(hf_config) in getattr(transformers, name)._model_mapping:
             return name
     raise MemkitError(f"model_type {hf_config.model_type!r} has no causal-LM, seq2seq-LM or masked-LM "
@@ -129,6 +147,9 @@ def _traced_layers(hf_config) -> tuple[int, bool]:
     2, or one period, or DeepSeek's dense blocks and one MoE block (see _block_weights)."""
     n = getattr(hf_config, "num_hidden_layers")
     want, periodic = 2, False
+    hybrid = _hybrid_period(hf_config)
+    if hybrid:
+        return min(n, max(2, hybrid)), True
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, (list, tuple)) and len(set(types)) > 1:
         distinct, seen = set(types), set()
@@ -143,12 +164,27 @@ def _traced_layers(hf_config) -> tuple[int, bool]:
     return min(n, want), periodic
 
 
+def _hybrid_period(hf_config) -> int:
+    """Hybrid stacks that set each block's mixer and MLP by period and offset (Jamba:
+    `layers_block_type` from attn_layer_period/offset, `layers_num_experts` from
+    expert_layer_period/offset; jamba/configuration_jamba.py): the shortest period of the joint
+    per-layer pattern, or 0 for every other config."""
+    lists = [getattr(hf_config, key, None) for key in ("layers_block_type", "layers_num_experts")]
+    lists = [v for v in lists if isinstance(v, (list, tuple))]
+    if not lists:
+        return 0
+    pattern = list(zip(*lists))
+    n = len(pattern)
+    return next(p for p in range(1, n + 1) if all(pattern[i] == pattern[i % p] for i in range(n)))
+
+
 def _shrunk(hf_config, k: int):
     n = hf_config.num_hidden_layers
     for key in layer_count_keys(hf_config):
         setattr(hf_config, key, min(getattr(hf_config, key), k))
     types = getattr(hf_config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == n:
+    derived = isinstance(getattr(type(hf_config), "layer_types", None), property)  # Mamba, Jamba: from the count
+    if isinstance(types, (list, tuple)) and len(types) == n and not derived:
         hf_config.layer_types = list(types[:k])
     return hf_config
 
@@ -156,7 +192,7 @@ def _shrunk(hf_config, k: int):
 @lru_cache(maxsize=256)
 def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int, autocast: int | None,
            attention: str, lora_rank: int, lora_targets: tuple, lora_dropout: bool, device: str,
-           micro_batch_size: int, fake: bool = True) -> Trace:
+           micro_batch_size: int, fake: bool = True, priced_scan: bool = True) -> Trace:
     import torch
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -172,13 +208,19 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     auto = getattr(transformers, auto_class)
     try:  # built on the meta device (no init, and peft's adapter moves are no-ops there), then faked
         model, attn, note = _build(auto, hf_config, attn, dtype, lora_rank, lora_targets, lora_dropout)
+    except RefusedVariant:
+        raise
     except Exception as exc:
         raise MemkitError(f"cannot build {hf_config.model_type} for tracing ({type(exc).__name__}: "
                           f"{str(exc)[:200]})") from None
     notes += [note] if note else []
-    # fake=False runs real CPU tensors: the same accounting on a real step (tests check one with the other).
+    # fake=False runs real CPU tensors: the same accounting on a real step (tests check one with the other);
+    # priced_scan=False runs Mamba's sequential selective-scan loop itself (estimate/ssm.py).
+    from memkit.estimate.ssm import priced_scans
+
     with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
-            _traceable_grouped_mm(), _unpacked_batch():
+            _traceable_grouped_mm(), _unpacked_batch(), \
+            (priced_scans(lambda: recorder.region) if priced_scan else contextlib.nullcontext()) as scans:
         _materialise(model)
         model.train()
         recorder = _Recorder(model)
@@ -193,7 +235,26 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     block_mean = sum(w * saved.get(label, 0) for label, w in weights.items()) // max(1, sum(weights.values()))
     return Trace(block_saved_bytes=block_mean,
                  embedding_saved_bytes=saved.get("embedding", 0), head_saved_bytes=saved.get("head", 0),
-                 num_blocks=num_blocks, attention=attn, notes=tuple(notes))
+                 num_blocks=num_blocks, attention=attn, notes=tuple(notes),
+                 layers=_scan_layers(recorder.blocks, saved, scans or [], _stack_counts(hf_config, model),
+                                     periodic))
+
+
+def _scan_layers(labels: list[str], saved: dict[str, int], scans: list[tuple[str, int]],
+                 real_counts: dict[str, int], periodic: bool) -> tuple[tuple[int, int], ...]:
+    """(saved, scan backward) bytes of every real block of a model whose trace ran a selective scan
+    (() otherwise). Traced blocks that are one period of the layer pattern (_traced_layers): real
+    block i is traced block i mod period; otherwise the last traced block stands for the rest."""
+    if not scans or not labels:
+        return ()
+    scan = {}
+    for label, nbytes in scans:
+        region = "block" + label[5:] if label.startswith("block") else label
+        scan[region] = max(scan.get(region, 0), nbytes)
+    period = len(labels)
+    total = sum(real_counts.values()) or period
+    pick = [labels[i % period] if periodic else labels[min(i, period - 1)] for i in range(total)]
+    return tuple((saved.get(label, 0), scan.get(label, 0)) for label in pick)
 
 
 def _block_weights(labels: list[str], real_counts: dict[str, int], periodic: bool) -> dict[str, int]:
@@ -230,27 +291,45 @@ def _stack_counts(hf_config, model) -> dict[str, int]:
 
 def _build(auto, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tuple, lora_dropout: bool):
     """The model on the meta device, with its LoRA adapters; falls back to eager attention where the
-    family has no SDPA path (transformers refuses attn_implementation='sdpa')."""
+    family has no SDPA path (from_config)."""
     import torch
-    import transformers
 
-    note = ""
     with torch.device("meta"):
-        try:
-            model = auto.from_config(hf_config, attn_implementation=attn, dtype=dtype)
-        except ValueError as exc:  # e.g. Gemma2 in transformers 5 has no SDPA path
-            if attn != "sdpa":
-                raise
-            model = auto.from_config(hf_config, attn_implementation="eager", dtype=dtype)
-            attn = "eager"
-            note = (f"{hf_config.model_type} has no SDPA path in transformers {transformers.__version__}: "
-                    f"traced with eager attention ({str(exc).splitlines()[0][:60]})")
+        model, attn, note = from_config(auto, hf_config, attn, dtype)
         if lora_rank:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets),
-                                                     lora_dropout=0.05 if lora_dropout else 0.0))
+            try:
+                model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets),
+                                                         lora_dropout=0.05 if lora_dropout else 0.0))
+            except ValueError as exc:  # e.g. peft refuses out_proj / conv1d for Mamba (tuners/lora/model.py)
+                raise RefusedVariant(
+                    f"--lora-targets {','.join(lora_targets)}: peft refuses them for {hf_config.model_type} "
+                    f"({str(exc).splitlines()[0][:120]}); pass other Linear names of its blocks"
+                    + (", e.g. in_proj,x_proj" if "mamba" in hf_config.model_type else "")) from None
     return model, attn, note
+
+
+class RefusedVariant(MemkitError):
+    """A plan the real libraries refuse for this model (one line: why, and what to pass instead);
+    the estimate says so instead of pricing a stand-in block."""
+
+
+def from_config(auto, hf_config, attn: str, dtype):
+    """`auto.from_config` with attention `attn`, falling back to eager where the family has no SDPA
+    path (transformers refuses attn_implementation='sdpa': Gemma2, Mamba, DeBERTa-v2); the model, the
+    attention it runs, and a note saying so (or ''). The measured step builds with the same rule."""
+    import transformers
+
+    try:
+        return auto.from_config(hf_config, attn_implementation=attn, dtype=dtype), attn, ""
+    except ValueError as exc:  # e.g. Gemma2 in transformers 5 has no SDPA path
+        if attn != "sdpa":
+            raise
+        model = auto.from_config(hf_config, attn_implementation="eager", dtype=dtype)
+        return model, "eager", (f"{hf_config.model_type} has no SDPA path in transformers "
+                                f"{transformers.__version__}: traced with eager attention "
+                                f"({str(exc).splitlines()[0][:60]})")
 
 
 def _materialise(model) -> None:

@@ -57,7 +57,7 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     import torch
     import transformers
 
-    from memkit.estimate.traced import auto_class_for
+    from memkit.estimate.traced import auto_class_for, from_config
 
     torch.manual_seed(seed)
     config = build_config(model_config)
@@ -68,9 +68,9 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
         from memkit.train.quantize import load_quantized, quantize_fresh
 
         model = (load_quantized(quantized_from, plan, config=config) if quantized_from is not None else
-                 quantize_fresh(auto.from_config(config, attn_implementation=plan.attention, dtype=dtype), plan))
+                 quantize_fresh(from_config(auto, config, plan.attention, dtype)[0], plan))
     else:
-        model = auto.from_config(config, attn_implementation=plan.attention, dtype=dtype)
+        model = from_config(auto, config, plan.attention, dtype)[0]  # eager where there is no SDPA path
     model.train()
     # The runner's code for checkpointing (all or the first K blocks) and the chunked loss (as the
     # bundle's Trainer recipe wraps the model: model(**batch).loss) -- memkit/train/techniques.py.
