@@ -52,5 +52,6 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "dist_timeout_s": (1, 10**7, "seconds"),
     "num_epochs": (1e-6, 10_000.0, "passes over the data"),  # a sanity cap: beyond it is a typo (1e30)
     "eval_every": (0, 10**9, "optimizer steps (0 = at the end)"),
-    "cpus_per_node": (0, 8192, "CPUs per node"),  # Linux's largest NR_CPUS (arch/x86/Kconfig, MAXSMP); 0: launch_script says at least 1 per process
+    # Linux's largest NR_CPUS (arch/x86/Kconfig, MAXSMP); 0 passes here: launch_script says "at least 1 per process"
+    "cpus_per_node": (0, 8192, "CPUs per node"),
 }

@@ -334,7 +334,7 @@ def _strict_json_type(model, block: dict, *, where: str, prefix: str) -> None:
         if bool in kinds and not isinstance(value, bool):
             raise MemkitError(f"{where}: {name} is {_short(value)}, not true/false; {FIX}")
         intlike = [k for k in kinds if isinstance(k, type) and k is not bool and
-                   (issubclass(k, int) or issubclass(k, enum.IntEnum) or (issubclass(k, enum.Enum) and issubclass(k, int)))]
+                   (issubclass(k, int) or issubclass(k, enum.IntEnum))]  # ZeroStageEnum is (int, Enum)
         if intlike and bool not in kinds and float not in kinds and not (
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and float(value).is_integer()):
@@ -464,7 +464,8 @@ def check_profile(doc, *, where: str, version: int) -> None:
                         raise MemkitError(f"{where}: {name}.{field} is missing; {fix}")
                     continue
                 if spec.error(run[field]):
-                    raise MemkitError(f"{where}: {name}.{field} is {_short(run[field])}, {spec.error(run[field])}; {fix}")
+                    raise MemkitError(f"{where}: {name}.{field} is {_short(run[field])}, "
+                                      f"{spec.error(run[field])}; {fix}")
             for part in ("predicted", "measured"):
                 for figure, value in run[part].items():
                     if Field("float", 1e-300, float(MAX_BYTES)).error(value):

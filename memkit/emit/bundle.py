@@ -82,8 +82,8 @@ def check_target(out_dir: str, *, force: bool = False) -> None:
         return  # the write reports it (write_bundle)
     if entries and not is_bundle(root):
         raise MemkitError(f"--out {out_dir} is a non-empty folder that memkit did not write ({len(entries)} "
-                          f"entr{'y' if len(entries) == 1 else 'ies'}, no memkit plan.json); pick a new or empty folder, or pass --force to write "
-                          "the bundle files there")
+                          f"entr{'y' if len(entries) == 1 else 'ies'}, no memkit plan.json); pick a new or empty "
+                          "folder, or pass --force to write the bundle files there")
 
 
 def write_bundle(out_dir: str, files: dict[str, str], *, force: bool = False) -> list[Path]:

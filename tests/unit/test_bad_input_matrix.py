@@ -203,6 +203,15 @@ def _cases() -> list[tuple[str, list[str]]]:
         numbers("train", trn, flag, values=FLOATS, zero_bad=False)
     for flag in ("--seed", "--save-every", "--warmup-steps"):
         numbers("train", trn, flag, values=["abc", "-1", BIG, UNICODE_DIGITS], zero_bad=False)
+    numbers("train", trn, "--num-epochs", values=FLOATS)  # 1e30 passes would overflow the step count
+    cases += [
+        ("train-eval-every-beyond-run", [*trn, "--max-steps", "10", "--eval-every", "100000"]),
+        ("train-eval-every-negative", [*trn, "--eval-every", "-1"]),
+        ("launch-script-cpus-per-node-huge", [*lsc, "--cpus-per-node", "100000"]),
+        ("suggest-main-process-ip-hostile", [*sug, "--main-process-ip", "$(touch x)"]),
+        ("suggest-global-batch-beyond-ceiling", [*sug[:-2], "--global-batch-size", str(2**20 + 1)]),
+        ("train-data-fifo", [*trn[:5], "--data", "{fifo}", *trn[7:]]),
+    ]
     cases += [
         ("train-resume-missing", [*trn, "--resume", "/nonexistent"]),
         ("train-resume-file", [*trn, "--resume", "{afile}"]),
@@ -303,6 +312,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     for kind, data in HOSTS.items():
         (work / f"hosts-{kind}").write_bytes(data)
         paths[f"host_{kind}"] = str(work / f"hosts-{kind}")
+    os.mkfifo(work / "data" / "fifo.jsonl")  # opening it would block: refused from its type
+    paths["fifo"] = str(work / "data" / "fifo.jsonl")
     (work / "a-file").write_text("not a folder\n")
     (work / "a-dir").mkdir()
     (work / "a-dir.png").mkdir()

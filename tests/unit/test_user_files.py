@@ -104,7 +104,8 @@ def test_printed_and_written_commands_survive_a_hostile_path(tiny, tmp_path, cap
     bundle = root / f"bundle {HOSTILE}"
     assert main(_suggest(tiny, bundle, "--num-gpus", "1")) == 0
     printed = capsys.readouterr().out
-    accelerate_line = next(line.strip() for line in printed.splitlines() if line.strip().startswith("accelerate launch"))
+    accelerate_line = next(line.strip() for line in printed.splitlines()
+                           if line.strip().startswith("accelerate launch"))
     fake = _fake_bin(tmp_path / "bin", ("accelerate", "sbatch", "srun"))
     (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")  # `scontrol show hostnames`: the first node
     (fake / "scontrol").chmod(0o755)
