@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         for _fam, rid, peak, est, err in rows:
             print(f"{rid:36s} {peak / 2**20:12.2f} {est / 2**20:12.2f} {err:+7.1%}")
         print()
-    print(f"| family | rows | median |err| | worst | within 5 % |\n|---|---|---|---|---|")
+    print("| family | rows | median |err| | worst | within 5 % |\n|---|---|---|---|---|")
     for fam in dict.fromkeys(r[0] for r in rows):
         errs = [r[4] for r in rows if r[0] == fam]
         worst = max(errs, key=abs)

@@ -45,7 +45,8 @@ ARCHS = {
     "distilbert": {"model_type": "distilbert", "dim": 256, "n_layers": 4, "n_heads": 8, "hidden_dim": 1024,
                    "vocab_size": 2000, "max_position_embeddings": 512},
 }
-LORA = {"jamba": ("q_proj", "v_proj", "in_proj", "out_proj"), "mamba": ("in_proj", "x_proj"),  # peft refuses out_proj and conv1d for mamba
+# peft refuses out_proj and conv1d for model_type mamba (not for jamba).
+LORA = {"jamba": ("q_proj", "v_proj", "in_proj", "out_proj"), "mamba": ("in_proj", "x_proj"),
         "bart": ("q_proj", "v_proj"), "electra": ("query", "value"), "deberta-v2": ("query_proj", "value_proj"),
         "distilbert": ("q_lin", "v_lin")}
 EAGER_TOO = ("jamba", "bart", "electra", "distilbert")  # families with an SDPA path: an eager row as well

@@ -88,7 +88,10 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
 
         lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
                           target_modules=list(plan.lora_targets),
-                          task_type="SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM")
+                          # a masked LM (ELECTRA, DistilBERT) gets peft's plain PeftModel: PeftModelForCausalLM
+                          # needs prepare_inputs_for_generation, which those classes lack (peft/peft_model.py)
+                          task_type="SEQ_2_SEQ_LM" if config.is_encoder_decoder else
+                          None if auto is transformers.AutoModelForMaskedLM else "CAUSAL_LM")
         model = get_peft_model(model, lora)
     return model
 
