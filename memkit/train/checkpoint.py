@@ -770,22 +770,31 @@ def save_final_model(accelerator, model, tokenizer, folder: Path | None, *, lora
     weights would re-quantise them, so the result is the original base + this adapter.
     """
     state = gathered_state_dict(accelerator, model)
-    if not accelerator.is_main_process:
-        accelerator.wait_for_everyone()
-        return
-    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        target = folder if folder is not None else adapter_dir
+        cause = _attempt(lambda: _write_final(accelerator.unwrap_model(model), tokenizer, state, folder,
+                                              lora_scaling=lora_scaling, adapter_dir=adapter_dir,
+                                              base_model=base_model), target.parent)
+        if cause is not None:  # a write fault: one line and EXIT_CHECKPOINT_WRITE, never exit 0 (#25)
+            print(f"memkit: could not write the final model to {target}: {cause} (the run's checkpoints "
+                  "are kept; free space or fix the folder's permissions, then --resume)", file=sys.stderr, flush=True)
+            os._exit(EXIT_CHECKPOINT_WRITE)  # peers wait in the barrier below; the launcher ends them
+    accelerator.wait_for_everyone()
+
+
+def _write_final(unwrapped, tokenizer, state: dict, folder: Path | None, *, lora_scaling: float | None,
+                 adapter_dir: Path | None, base_model: str | None) -> None:
+    """Rank 0's part of save_final_model: the adapter, then the merged HF folder."""
     if lora_scaling is not None:  # a PeftModel: save the merged weights under the base model
         if adapter_dir is not None:
             save_adapter(unwrapped, state, adapter_dir, base_model=base_model)
         if folder is None:
-            accelerator.wait_for_everyone()
             return
         state = merge_lora_state_dict(state, scaling=lora_scaling)
         unwrapped = unwrapped.get_base_model()
     folder.mkdir(parents=True, exist_ok=True)
     unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
-    accelerator.wait_for_everyone()
 
 
 def save_adapter(peft_model, state: dict, folder: Path, *, base_model: str | None) -> None:
