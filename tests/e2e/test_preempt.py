@@ -167,6 +167,8 @@ def test_signal_during_a_save(setup, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MEMKIT_LONG_TRIALS") != "1",
+                    reason="20 launches (~1 min each on 2 cores): MEMKIT_LONG_TRIALS=1 runs them; not yet run to the end")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_ten_trials_at_random_steps(setup, tmp_path, sig):
     """10 trials per signal at seeded random steps 1..7, every third through `memkit train`."""
