@@ -12,6 +12,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.memory import estimate_memory
 from memkit.planner import NoPlanFits, Request, search
 from memkit.planner.search import UPPER_BOUND_FALLBACK_NOTE
+from memkit.planner.space import pins
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 from memkit.parallel import validate_parallel
@@ -48,7 +49,6 @@ def requests(draw):
     )
 
 
-@pytest.mark.xfail(reason="#28 pins: an unmeetable pin now says 'no plan shape honours the pins'; the property's expected wording not yet updated", strict=False)
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(requests())
@@ -65,10 +65,17 @@ def test_every_answer_is_exact_and_within_budget(req):
                     or est.host_bytes_per_node > req.hardware.host_ram_bytes_per_node)
         return
     except MemkitError as exc:
-        event("batch cannot be met")
-        # The only bad input these requests can contain is a global batch no layout divides.
-        assert "cannot be met exactly" in str(exc), str(exc)
+        # The only bad input these requests can contain: a global batch no layout divides, or pins
+        # (--zero, --max-micro-batch, --tp, --no-offload, --lora-rank) no plan shape honours with that
+        # batch; the refusal names every pin (#28: a pinned choice is never silently overridden).
         assert exc.exit_code == 2
+        if "cannot be met exactly" in str(exc):
+            event("batch cannot be met")
+            return
+        event("pins cannot be met")
+        assert "no plan shape honours the pins" in str(exc), str(exc)
+        for flag, _, _ in pins(req):
+            assert flag in str(exc), (flag, str(exc))
         return
     event(f"chosen ({result.chosen.tier} tier)")
     for cand in (result.chosen, *result.alternatives):
@@ -87,6 +94,9 @@ def test_every_answer_is_exact_and_within_budget(req):
         if req.max_micro_batch:
             assert plan.micro_batch_size <= req.max_micro_batch
         assert plan.lora_rank == req.lora_rank
+        for flag, field_name, value in pins(req):  # the chosen plan and every alternative honour each pin
+            got = getattr(plan, field_name)
+            assert got <= value if field_name == "micro_batch_size" else got == value, (flag, got)
         assert plan.precision != "bf16" or req.hardware.gpu.bf16
         assert not (plan.tp > 1 and plan.pp > 1)
         if plan.tp > 1 or plan.pp > 1:

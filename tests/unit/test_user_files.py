@@ -94,29 +94,36 @@ def _no_marker(root: Path) -> None:
     assert not [p for p in root.rglob("PWNED*")], "an embedded command ran"
 
 
-@pytest.mark.xfail(reason="merge of #24 (printed line is now memkit train) and #25's hostile-path test: not yet reconciled", strict=False)
 def test_printed_and_written_commands_survive_a_hostile_path(tiny, tmp_path, capsys, monkeypatch):
     """The bundle, the launch script and the finetune arguments all under a path with spaces, quotes,
-    $( ), backticks, ';' and non-ASCII: `bash -n` accepts the script, pasting the printed commands
-    and running the script pass each path as one argument, and no embedded command runs."""
+    $( ), backticks, ';' and non-ASCII: `bash -n` accepts the script, pasting the printed `memkit train`
+    line, the bundle README's raw `accelerate launch` line and running the script pass each path as one
+    argument, and no embedded command runs."""
     root = tmp_path / HOSTILE
     root.mkdir()
     monkeypatch.chdir(root)
     bundle = root / f"bundle {HOSTILE}"
     assert main(_suggest(tiny, bundle, "--num-gpus", "1")) == 0
     printed = capsys.readouterr().out
-    accelerate_line = next(line.strip() for line in printed.splitlines()
+    readme = (bundle / "README.md").read_text()
+    train_line = next(line.strip() for line in printed.splitlines() if line.strip().startswith("memkit train"))
+    accelerate_line = next(line.strip() for line in readme.splitlines()
                            if line.strip().startswith("accelerate launch"))
-    fake = _fake_bin(tmp_path / "bin", ("accelerate", "sbatch", "srun"))
+    fake = _fake_bin(tmp_path / "bin", ("accelerate", "memkit", "sbatch", "srun"))
     (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")  # `scontrol show hostnames`: the first node
     (fake / "scontrol").chmod(0o755)
     argv_log = tmp_path / "argv.txt"
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "MEMKIT_TEST_ARGV": str(argv_log)}
-    subprocess.run(["bash", "-c", accelerate_line], cwd=root, env=env, check=True)
-    logged = argv_log.read_text().splitlines()
+    for line, first in ((train_line, "train"), (accelerate_line, "launch")):
+        argv_log.unlink(missing_ok=True)
+        assert subprocess.run(["bash", "-n", "-c", line]).returncode == 0
+        subprocess.run(["bash", "-c", line], cwd=root, env=env, check=True)  # pasted as printed
+        logged = argv_log.read_text().splitlines()
+        assert logged[1] == first, logged
+        assert logged[logged.index("--plan") + 1] == f"{bundle}/plan.json"
+        assert logged[logged.index("--model") + 1] == str(tiny)
+        assert logged[logged.index("--output-dir") + 1] == f"{bundle}/run"
     assert logged[logged.index("--config_file") + 1] == f"{bundle}/accelerate.yaml"
-    assert logged[logged.index("--plan") + 1] == f"{bundle}/plan.json"
-    readme = (bundle / "README.md").read_text()
     assert shlex.quote(f"{bundle}/plan.json") in readme
 
     out = root / f"run {HOSTILE}.sh"
@@ -133,7 +140,7 @@ def test_printed_and_written_commands_survive_a_hostile_path(tiny, tmp_path, cap
     env_run = {**env, "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_ON_NODE": "4"}
     subprocess.run(["bash", str(out)], cwd=tmp_path, env=env_run, check=True)  # srun gets the exact arguments
     srun = argv_log.read_text().splitlines()
-    assert srun[0].endswith("/srun") and srun[-2:] == ["--output-dir", output_dir]
+    assert srun[0].endswith("/srun") and srun[-3:] == ["--output-dir", output_dir, "--resume"]  # Slurm: resumes
     assert f"--config_file {shlex.quote(str(bundle / 'accelerate.yaml'))}" in srun[srun.index("-c") + 1]
     _no_marker(tmp_path)
 
