@@ -305,7 +305,8 @@ def _is_memkits_own(ds: dict, plan) -> bool:
         own = deepspeed_config(plan)
     except MemkitError:  # a plan without a DeepSpeed file: whatever is there is foreign
         return False
-    return json.loads(json.dumps(own)) == ds
+    # compared as JSON text: == on the parsed values would take 1 for true and 2.0 for 2
+    return json.dumps(own, sort_keys=True) == json.dumps(ds, sort_keys=True)
 
 
 def check_model(name: str) -> None:
