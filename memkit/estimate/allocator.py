@@ -125,7 +125,7 @@ class CachingAllocator:
             return
         rounded = K_MIN_BLOCK if size < K_MIN_BLOCK else -(-size // K_MIN_BLOCK) * K_MIN_BLOCK  # round_size()
         small = (stream, rounded <= K_SMALL_SIZE)
-        block = self._find_free(rounded, small)
+        block = self._find_free(rounded, small) if small in self.pools else None
         if block is None:
             block = self._new_memory(rounded, small)
         if block.size - rounded >= K_MIN_BLOCK and self._should_split(block, rounded):
@@ -224,6 +224,11 @@ class CachingAllocator:
     # -- segments -------------------------------------------------------------------------
     def _grow(self, nbytes: int) -> None:
         cap = self.cfg.capacity
+        if cap is None:  # no device limit: nothing to release (the planner's first replay)
+            self.reserved += nbytes
+            if self.reserved > self.reserved_peak:
+                self.reserved_peak = self.reserved
+            return
         threshold = self.cfg.garbage_collection_threshold
         if cap is not None and threshold > 0 and self.reserved + nbytes > threshold * cap:
             self._release_cached()  # garbage_collect_cached_blocks()
