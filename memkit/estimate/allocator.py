@@ -112,23 +112,26 @@ class CachingAllocator:
 
     # -- public -------------------------------------------------------------------------
     def malloc(self, key: object, size: int, stream: int = 0) -> None:
-        if key in self.live:
+        live = self.live
+        if key in live:
             raise ValueError(f"allocation key {key!r} is already live")
         self.requested += size
         if self.requested > self.requested_peak:
             self.requested_peak = self.requested
         if not self.cfg.caching:
-            self.live[key] = (None, size)
+            live[key] = (None, size)
             self.allocated = self.reserved = self.requested
             self.allocated_peak = self.reserved_peak = self.requested_peak
             return
-        rounded = round_size(size)
+        rounded = K_MIN_BLOCK if size < K_MIN_BLOCK else -(-size // K_MIN_BLOCK) * K_MIN_BLOCK  # round_size()
         small = (stream, rounded <= K_SMALL_SIZE)
-        block = self._find_free(rounded, small)
+        block = self._find_free(rounded, small) if small in self.pools else None
         if block is None:
             block = self._new_memory(rounded, small)
-        block = self._take(block, rounded)
-        self.live[key] = (block, size)
+        if block.size - rounded >= K_MIN_BLOCK and self._should_split(block, rounded):
+            self._split(block, rounded)
+        block.free = False  # alloc_found_block()
+        live[key] = (block, size)
         self.allocated += block.size
         if self.allocated > self.allocated_peak:
             self.allocated_peak = self.allocated
@@ -152,7 +155,7 @@ class CachingAllocator:
                     block.next = other.next
                     if other.next is not None:
                         other.next.prev = block
-                    if self.expandable.get(block.small) is other:
+                    if self.expandable and self.expandable.get(block.small) is other:
                         self.expandable[block.small] = block
                 block.size += other.size
         self._pool_insert(block)
@@ -175,18 +178,22 @@ class CachingAllocator:
 
     def _find_free(self, size: int, small: bool) -> _Block | None:
         """get_free_block(): best fit, with the max_split_size rules for oversize blocks."""
-        pool = self.pools.get(small, [])
+        pool = self.pools.get(small)
+        if not pool:
+            return None
         i = bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
-        block = self.blocks[pool[i][1]]
+        addr = pool[i][1]
+        block = self.blocks[addr]
         limit = self.cfg.max_split_size
         if limit is not None and not self.cfg.expandable_segments:
             if size < limit <= block.size:
                 return None
             if size >= limit and block.size >= size + K_LARGE_BUFFER:
                 return None
-        self._pool_remove(block)
+        del pool[i]  # _pool_remove(block): it is pool[i]
+        del self.blocks[addr]
         return block
 
     def _should_split(self, block: _Block, size: int) -> bool:
@@ -199,21 +206,29 @@ class CachingAllocator:
     def _take(self, block: _Block, size: int) -> _Block:
         """alloc_found_block(): split off the remainder when should_split() says so."""
         if self._should_split(block, size):
-            rest = _Block(block.addr + size, block.size - size, block.small)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            if self.expandable.get(block.small) is block:
-                self.expandable[block.small] = rest
-            self._pool_insert(rest)
+            self._split(block, size)
         block.free = False
         return block
+
+    def _split(self, block: _Block, size: int) -> None:
+        rest = _Block(block.addr + size, block.size - size, block.small)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        if self.expandable and self.expandable.get(block.small) is block:
+            self.expandable[block.small] = rest
+        self._pool_insert(rest)
 
     # -- segments -------------------------------------------------------------------------
     def _grow(self, nbytes: int) -> None:
         cap = self.cfg.capacity
+        if cap is None:  # no device limit: nothing to release (the planner's first replay)
+            self.reserved += nbytes
+            if self.reserved > self.reserved_peak:
+                self.reserved_peak = self.reserved
+            return
         threshold = self.cfg.garbage_collection_threshold
         if cap is not None and threshold > 0 and self.reserved + nbytes > threshold * cap:
             self._release_cached()  # garbage_collect_cached_blocks()
@@ -284,9 +299,10 @@ class CachingAllocator:
 def replay(events, config: AllocatorConfig = AllocatorConfig()) -> ReplayStats:
     """Run `events` -- (key, size[, stream]) to allocate, (key, None) to free -- through the allocator."""
     alloc = CachingAllocator(config)
-    for key, size, *stream in events:
-        if size is None:
-            alloc.free(key)
+    malloc, free = alloc.malloc, alloc.free
+    for event in events:
+        if event[1] is None:
+            free(event[0])
         else:
-            alloc.malloc(key, size, *stream)
+            malloc(*event)
     return alloc.stats()

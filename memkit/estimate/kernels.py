@@ -101,7 +101,26 @@ def matmul_efficiency(gpu: GPU, precision: str) -> float:
     return MATMUL_EFFICIENCY[kind].get(gpu.arch, MATMUL_EFFICIENCY[kind]["ampere"]) * sustained_clock_fraction(gpu)
 
 
+_GEMM_CACHE: dict[tuple, float] = {}
+_GEMM_GPUS: dict[int, GPU] = {}  # keeps each keyed GPU alive, so its id() is not reused meanwhile
+_GEMM_CACHE_LIMIT = 200_000
+
+
 def gemm_time_s(gpu: GPU, precision: str, m: float, n: float, k: float, *, batch: float = 1.0) -> float:
+    """_gemm_time_s, memoised: a pure function of its arguments that the planner's step-time bounds
+    ask for with the same shapes thousands of times (every structure at every micro-batch)."""
+    key = (id(gpu), precision, m, n, k, batch)
+    hit = _GEMM_CACHE.get(key)
+    if hit is None:
+        if len(_GEMM_CACHE) >= _GEMM_CACHE_LIMIT:
+            _GEMM_CACHE.clear()
+            _GEMM_GPUS.clear()
+        _GEMM_GPUS[id(gpu)] = gpu
+        hit = _GEMM_CACHE[key] = _gemm_time_s(gpu, precision, m, n, k, batch=batch)
+    return hit
+
+
+def _gemm_time_s(gpu: GPU, precision: str, m: float, n: float, k: float, *, batch: float = 1.0) -> float:
     """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: the slower of its math (tile- and wave-quantised,
     at the achievable matmul rate) and its HBM traffic (roofline, Williams et al. 2009), plus a
     split-K reduction where the tiles fill less than one wave (wave_quantization)."""

@@ -17,55 +17,61 @@ activations by region of the block (attention, MLP, norms -- the tape's labels),
 """
 from __future__ import annotations
 
-from itertools import count
-
-
 def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ...]],
                   streams: dict[str, int] | None = None) -> list:
     """Events (key, size, stream) / (key, None) that take the live bytes through `moments` in order.
     `chunks[c]`: the sizes of the tensors component c is made of, cycled (default: one tensor);
     `streams[c]`: the CUDA stream that allocates them (default 0, the compute stream)."""
     streams = streams or {}
-    keys = count()
+    key = -1  # the last key handed out (keys count up from 0)
     live: dict[str, list[tuple[int, int]]] = {}
     total: dict[str, int] = {}
     pos: dict[str, int] = {}
     events: list = []
+    append = events.append
     for moment in moments:
-        # the components that change, in a fixed order (the replay is deterministic)
-        names = [n for n in dict.fromkeys([*total, *moment]) if total.get(n, 0) != moment.get(n, 0)]
+        # the components that change, in a fixed order (the replay is deterministic): those seen
+        # before in the order first seen, then the moment's new ones in its own order
+        get = moment.get
+        names = [n for n, v in total.items() if v != get(n, 0)]
+        names += [n for n, v in moment.items() if v and n not in total]
+        if not names:
+            continue
         for name in names:  # frees first: a moment is the most that is live at once
-            drop = total.get(name, 0) - moment.get(name, 0)
+            drop = total.get(name, 0) - get(name, 0)
             if drop <= 0:
                 continue
             stack = live[name]
             while drop > 0:
-                key, size = stack.pop()
-                events.append((key, None))
+                k, size = stack.pop()
+                append((k, None))
                 if size > drop:
                     rest = size - drop
-                    k = next(keys)
-                    events.append((k, rest, streams.get(name, 0)))
-                    stack.append((k, rest))
+                    key += 1
+                    append((key, rest, streams.get(name, 0)))
+                    stack.append((key, rest))
                     drop = 0
                 else:
                     drop -= size
-            total[name] = moment.get(name, 0)
+            total[name] = get(name, 0)
         for name in names:
-            grow = moment.get(name, 0) - total.get(name, 0)
+            grow = get(name, 0) - total.get(name, 0)
             if grow <= 0:
                 continue
             sizes = chunks.get(name) or (grow,)
+            n_sizes = len(sizes)
+            stream = streams.get(name, 0)
             stack = live.setdefault(name, [])
             i = pos.get(name, 0)
             while grow > 0:
-                size = min(max(1, sizes[i % len(sizes)]), grow)
+                size = sizes[i % n_sizes]
+                size = 1 if size < 1 else size
+                size = grow if grow < size else size
                 i += 1
-                k = next(keys)
-                events.append((k, size, streams.get(name, 0)))
-                stack.append((k, size))
+                key += 1
+                append((key, size, stream))
+                stack.append((key, size))
                 grow -= size
             pos[name] = i
             total[name] = moment[name]
     return events
-

@@ -33,6 +33,9 @@ COMMANDS = {
     "estimate": ["estimate", "--model", "llama-3.1-8b", "--gpu", "a100-80gb"],
     "suggest": ["suggest", "--model", "llama-3.2-1b", "--gpu", "rtx-4090", "--num-gpus", "1",
                 "--global-batch-size", "8", "--seq-len", "1024"],
+    # the README main job, its splits searched too (issue 22): the whole search, catalog data only
+    "suggest-main-job": ["suggest", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--num-gpus", "2",
+                         "--global-batch-size", "64", "--seq-len", "2048"],
 }
 
 
