@@ -394,3 +394,19 @@ def knob_values(args, command: str) -> dict:
             value = tuple(t.strip() for t in value.split(",") if t.strip())
         out[f.name] = value
     return out
+
+
+def request_knob_fields() -> list[tuple]:
+    """(name, type, field) of the planner Request's knob fields (planner/space.py derives them):
+    each "pin" knob as `type | None = None` (None: the planner chooses; a flag-only bool keeps its
+    plan default), each "workload" knob with its plan default."""
+    if not _HINTS:
+        _HINTS.update(get_type_hints(TrainingPlan))
+    out = []
+    for f in fields(TrainingPlan):
+        cli = f.metadata.get("cli", {})
+        if "workload" in cli or (f.type == "bool" and "pin" in cli):
+            out.append((f.name, _HINTS[f.name], field(default=f.default)))
+        elif "pin" in cli:
+            out.append((f.name, _HINTS[f.name] | None, field(default=None)))
+    return out

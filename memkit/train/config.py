@@ -8,13 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan import TrainingPlan, knob_fields
 
-PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "micro_batch_size", "grad_accum",
-              "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping",
-              "quantize_base", "double_quant")
-"""Plan knobs the runner also takes as flags (runs without a plan.json)."""
-PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
+PLAN_FLAGS = tuple(f.name for f in knob_fields("run"))
+"""Plan knobs the runner also takes as flags (runs without a plan.json): memkit/plan.py declares them."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -345,6 +342,8 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
     world = int(env.get("WORLD_SIZE", "1"))
     rank_layout(plan, rank=int(env.get("RANK", "0")), world_size=world)  # the launched world
     launched_per_node = int(env.get("LOCAL_WORLD_SIZE", world))
-    if plan.tp > 1 and launched_per_node % plan.tp:
+    from memkit.parallel import tp_spans_nodes
+
+    if tp_spans_nodes(plan.tp, launched_per_node):
         raise MemkitError(f"tp={plan.tp} but {launched_per_node} processes per node were launched, so a "
                           f"TP group would span nodes; launch a multiple of {plan.tp} processes per node")
