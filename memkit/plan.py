@@ -313,6 +313,14 @@ def knob_choices(f) -> tuple | None:
     return get_args(hint) if getattr(hint, "__origin__", None) is Literal else None
 
 
+def knob_kind(f) -> str:
+    """The Python type name of a knob's values: 'str', 'int', 'float', 'bool' or 'tuple'."""
+    choices = knob_choices(f)
+    if choices is not None:
+        return type(choices[0]).__name__
+    return "tuple" if str(f.type).startswith("tuple") else str(f.type)
+
+
 def flag_name(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
