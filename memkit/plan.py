@@ -59,7 +59,10 @@ DEFAULT_SEQ_LEN = 2048
 # argparse flags and `knob_values` reads them back; `Request` (planner/space.py) derives its pins
 # from the same fields.
 
-COMMANDS = ("estimate", "pin", "workload", "run")
+COMMANDS = ("estimate", "pin", "workload", "run", "launch")
+"""launch: launch/parallel_train.py, the split-training harness (None = not given; its own subsets
+of the choices). A `cli` value is the help text (None: none) or a dict with "help" and, where the
+command differs, "choices" (None: a plain typed value) and "flag"."""
 
 
 def knob(default, *, cli: dict | None = None, range: tuple | None = None, flag: str | None = None,  # noqa: A002
@@ -84,18 +87,21 @@ _CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingPlan:
-    precision: Precision = knob("bf16", cli={"estimate": None, "pin": None, "run": None})
+    precision: Precision = knob("bf16", cli={"estimate": None, "pin": None, "run": None,
+                                             "launch": {"choices": ("fp32", "bf16", "bf16-pure")}})
     """fp32; fp16/bf16 = mixed precision with fp32 master weights; bf16-pure = everything in bf16."""
     optimizer: Optimizer = knob("adamw", cli={
         "estimate": None, "run": None,
         "pin": "default: AdamW; 8-bit AdamW / Adafactor / pure bf16 only if nothing else fits"})
-    zero_stage: ZeroStage = knob(0, flag="--zero", cli={"estimate": None, "pin": None},
+    zero_stage: ZeroStage = knob(0, flag="--zero", cli={"estimate": None, "pin": None,
+                                                        "launch": {"flag": "--zero-stage", "choices": None}},
                                  choice_error="--zero {value} is not a ZeRO stage; use 0, 1, 2 or 3")
     """ZeRO stage 0-3 (Rajbhandari et al. 2020, Sec. 5). With engine='torch', 3 means FSDP full shard."""
     offload_optimizer: Offload = knob("none", cli={"estimate": None, "pin": None})
     offload_params: Offload = knob("none", cli={"estimate": None, "pin": None})
     checkpointing: str = knob("none", parse=checkpointing_type, cli={
         "estimate": _CKPT_HELP, "run": "none, full, or K (the first K blocks)",
+        "launch": {"choices": ("none", "full")},
         "pin": "none, full, or K (the first K blocks); default: the planner picks the smallest K that fits"})
     """'full': HF activation_checkpointing_enable(), one checkpoint per block; 'K' (digits):
     the first K blocks only (memkit/techniques.py says which and why)."""
@@ -113,20 +119,22 @@ class TrainingPlan:
     """Each parameter steps in its post-accumulate-grad hook; one gradient alive at a time
     (memkit/backward_techniques.py states what it cannot run with)."""
     attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
-                                             "run": None})
+                                             "run": None, "launch": {"choices": ("eager", "sdpa")}})
     micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-                                 cli={"estimate": None, "run": None})
-    grad_accum: int = knob(1, range=(1, 2**20, "micro-batches per optimizer step"), cli={"estimate": None, "run": None})
+                                 cli={"estimate": None, "run": None, "launch": None})
+    grad_accum: int = knob(1, range=(1, 2**20, "micro-batches per optimizer step"),
+                           cli={"estimate": None, "run": None, "launch": None})
     seq_len: int = knob(DEFAULT_SEQ_LEN, range=(1, MAX_SEQ_LEN, "tokens per sequence"), cli={
-        "estimate": None, "workload": f"tokens per sequence (default {DEFAULT_SEQ_LEN})", "run": None})
-    dp: int = knob(1, range=(1, 1024 * 100_000, "data-parallel degree"))
+        "estimate": None, "workload": f"tokens per sequence (default {DEFAULT_SEQ_LEN})", "run": None, "launch": None})
+    dp: int = knob(1, range=(1, 1024 * 100_000, "data-parallel degree"),
+                   cli={"launch": "default: world size / (tp*pp)"})
     """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
     tp: int = knob(1, range=(1, 1024, "tensor-parallel degree"), cli={
-        "estimate": None,
+        "estimate": None, "launch": None,
         "pin": "tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing fits "
                "otherwise or the step-time model prices the split faster by more than its uncertainty"})
     pp: int = knob(1, range=(1, 1024, "pipeline-parallel degree"), cli={
-        "estimate": None, "pin": "pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)"})
+        "estimate": None, "launch": None, "pin": "pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)"})
     tp_engine: TpEngine = knob("autotp")
     """How TP runs: DeepSpeed AutoTP ('autotp') or transformers tp_plan/DTensor ('tp_plan')."""
     sequence_parallel: bool = knob(False)
@@ -135,7 +143,7 @@ class TrainingPlan:
     DeepSpeed AutoTP does not do this; torch tp_plan/DTensor plans can."""
     pp_engine: PpEngine = knob("torch")
     """How PP runs: torch.distributed.pipelining ('torch') or DeepSpeed PipelineModule ('deepspeed')."""
-    pp_schedule: PpSchedule = knob("1f1b")
+    pp_schedule: PpSchedule = knob("1f1b", cli={"launch": None})
     lora_rank: int = knob(0, range=(0, 65_536, "LoRA rank (0 = full fine-tuning)"), cli={
         "estimate": None, "workload": "fine-tune LoRA adapters of this rank (0 = full)", "run": None})
     """0 = full fine-tuning."""
@@ -191,7 +199,7 @@ class TrainingPlan:
     stage3_max_reuse_distance: int = knob(1_000_000_000)
     stage3_param_persistence_threshold: int = knob(100_000)
     gradient_clipping: float = knob(1.0, range=(0.0, 1e6, "max gradient norm (0 = off)"),
-                                    cli={"run": "max global grad norm (0 = off)"})
+                                    cli={"run": "max global grad norm (0 = off)", "launch": None})
 
     # ---- derived ----
     @property
@@ -360,32 +368,38 @@ def add_knob_flags(group, command: str) -> None:
     given = command in ("estimate", "workload")
     for f in knob_fields(command):
         meta, kwargs = f.metadata, {}
-        help_text = meta["cli"][command]
-        if help_text is not None:
-            kwargs["help"] = help_text
+        spec = _cli_spec(f, command)
+        flag = spec.get("flag") or flag_name(f)
+        if spec.get("help") is not None:
+            kwargs["help"] = spec["help"]
         if meta["negated"]:
-            group.add_argument(flag_name(f), action="store_true", **kwargs)
+            group.add_argument(flag, action="store_true", **kwargs)
             continue
         if f.type == "bool":
-            group.add_argument(flag_name(f), action="store_true", default=f.default if given else None, **kwargs)
+            group.add_argument(flag, action="store_true", default=f.default if given else None, **kwargs)
             continue
         default = f.default if given else None
         if command == "estimate" and meta["estimate_default"] is not MISSING:
             default = meta["estimate_default"]
-        choices = knob_choices(f)
+        choices = spec["choices"] if "choices" in spec else knob_choices(f)
         if f.name in ("tp", "pp") and command == "pin":
             pass  # suggest takes a degree or 'auto' as text (cli/suggest.py parse_degree)
-        elif meta["parse"] is not None:
+        elif meta["parse"] is not None and "choices" not in spec:
             kwargs["type"] = meta["parse"]
         elif choices is not None:
             kwargs["choices"] = choices
             if isinstance(choices[0], int):
                 kwargs["type"] = int
-        elif f.type in ("int", "float"):
-            kwargs["type"] = {"int": int, "float": float}[f.type]
+        elif knob_kind(f) in ("int", "float"):
+            kwargs["type"] = {"int": int, "float": float}[knob_kind(f)]
         if f.name == "lora_targets":
             default = None  # comma-separated text; memkit.cli.common.lora_targets / knob_values read it
-        group.add_argument(flag_name(f), default=default, **kwargs)
+        group.add_argument(flag, default=default, **kwargs)
+
+
+def _cli_spec(f, command: str) -> dict:
+    spec = f.metadata["cli"][command]
+    return dict(spec) if isinstance(spec, dict) else {"help": spec}
 
 
 def knob_values(args, command: str) -> dict:
@@ -394,7 +408,7 @@ def knob_values(args, command: str) -> dict:
     out = {}
     given = command in ("estimate", "workload")
     for f in knob_fields(command):
-        dest = flag_name(f)[2:].replace("-", "_")
+        dest = (_cli_spec(f, command).get("flag") or flag_name(f))[2:].replace("-", "_")
         value = getattr(args, dest)
         if f.metadata["negated"]:
             value = False if value else (f.default if given else None)
