@@ -48,6 +48,10 @@ even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a 
 MAX_SEQ_LEN = 2**24
 """16M tokens: longer than any released model's context window."""
 DEFAULT_SEQ_LEN = 2048
+DEFAULT_LR = 2e-5
+"""Peak LR for full fine-tuning with AdamW, the one default (plan.json's trainer_arguments,
+ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaMA 7B used 2e-5
+(Taori et al. 2023, tatsu-lab/stanford_alpaca README, "Fine-tuning"). Not a plan knob: it sets no memory."""
 
 # ---- one declaration per knob ------------------------------------------------------------------
 # Each TrainingPlan field is declared once, with `knob(...)`: its default, its type (Literal[...]

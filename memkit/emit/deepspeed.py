@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from memkit.errors import MemkitError
 from memkit.parallel import deepspeed_data_ranks
-from memkit.plan import TrainingPlan, bf16_pure_needs_zero
+from memkit.plan import DEFAULT_LR, TrainingPlan, bf16_pure_needs_zero
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -26,7 +26,7 @@ NVME_PARAM_BUFFER_ELEMENTS = 100_000_000
 """DeepSpeed's offload_param.buffer_size default; it must hold the largest parameter."""
 
 
-def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0,
+def deepspeed_config(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0,
                      nvme_path: str = "/local_nvme", optimizer_block: bool = True,
                      largest_param_numel: int = 0) -> dict:
     """DeepSpeed config dict that runs `plan` as written (HF Trainer's --deepspeed accepts it too).

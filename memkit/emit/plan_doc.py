@@ -17,11 +17,10 @@ from pathlib import Path
 from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.parallel import engines, split_limits
-from memkit.plan import TrainingPlan
+from memkit.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 
 PLAN_FORMAT_VERSION = 1
-DEFAULT_LR = 2e-5
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
 
