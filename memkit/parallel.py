@@ -143,6 +143,15 @@ def pp_choices(spec: "ModelSpec") -> list[int]:
     return [1] + [p for p in PP_DEGREES if p <= spec.num_layers]
 
 
+def bf16_unsupported(precision: str, hardware: "Hardware") -> str | None:
+    """What a bf16 precision cannot run on (a GPU without bf16 units: pre-Ampere), or None. The
+    hardware-dependent precision rule (estimate and the planner's request ask it before the plan's
+    own rules)."""
+    if precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
+        return f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32"
+    return None
+
+
 def check_degrees(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> None:
     """The degree checks: dp*tp*pp against the GPUs, tp against the heads and the node, pp
     against the layers. The estimator prices only plans that pass them."""

@@ -311,8 +311,8 @@ def bf16_pure_needs_zero(plan) -> bool:
     return plan.precision == "bf16-pure" and plan.engine == "deepspeed" and plan.zero_stage == 0
 
 
-BF16_PURE_ZERO_ERROR = ("--precision bf16-pure with --zero 0: DeepSpeed keeps bf16 master weights only under "
-                        "ZeRO 1-3 (bf16_master_weights_and_grads); use --zero 1 or higher")
+BF16_PURE_ZERO_ERROR = ("--precision bf16-pure with --zero 0: bf16-pure under DeepSpeed needs ZeRO 1-3 (DeepSpeed "
+                        "keeps bf16 master weights only there: bf16_master_weights_and_grads); use --zero 1 or higher")
 
 _HINTS: dict = {}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, make_dataclass
 
 from memkit.errors import MemkitError
 from memkit.planner import backward
-from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
+from memkit.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              tp_spans_nodes, validate_parallel)
 from memkit.plan import MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, request_knob_fields
 from memkit.spec.hardware import Hardware
@@ -105,9 +105,8 @@ class Request(_RequestKnobs):
             raise MemkitError(f"--objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.max_micro_batch is not None and self.max_micro_batch < 1:
             raise MemkitError(f"--max-micro-batch {self.max_micro_batch} must be >= 1")
-        if self.precision in ("bf16", "bf16-pure") and not gpu.bf16:
-            raise MemkitError(f"--precision {self.precision}: {gpu.name} has no bf16 support; "
-                              "use --precision fp16 or fp32")
+        if self.precision is not None and (error := bf16_unsupported(self.precision, self.hardware)):
+            raise MemkitError(f"--precision {self.precision}: {error}")
         for flag, value in (("--offload-optimizer", self.offload_optimizer), ("--offload-params", self.offload_params)):
             if value not in (None, "none") and not self.allow_offload:
                 raise MemkitError(f"{flag} {value} contradicts --no-offload; drop one of them")
