@@ -59,7 +59,8 @@ ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaM
 # range check, memkit.limits.LIMITS, and plan_schema read it) and, per command, its help text.
 # Commands (`cli` keys): "estimate" (a value, the plan default when not given), "pin" (suggest:
 # None = the planner chooses), "workload" (suggest: a value the planner does not search),
-# "run" (the runner's overrides of plan.json: None = not given). `add_knob_flags` builds the
+# "run" (the runner's overrides of plan.json: None = not given), "launch" (the split harness).
+# `add_knob_flags` builds the
 # argparse flags and `knob_values` reads them back; `Request` (planner/space.py) derives its pins
 # from the same fields.
 
@@ -304,10 +305,10 @@ class TrainingPlan:
 
 
 def bf16_pure_needs_zero(plan) -> bool:
-    """DeepSpeed keeps bf16 master weights, gradients and optimizer states only in its ZeRO
-    optimizers (deepspeed/runtime/engine.py, _configure_zero_optimizer; bf16_master_weights_and_grads
-    is a zero_optimization option): bf16-pure under DeepSpeed needs ZeRO 1-3. The one statement of
-    the rule (plan validation, the planner's structures, the DeepSpeed emitter)."""
+    """DeepSpeed keeps bf16 master weights and gradients (its bf16 block's
+    bf16_master_weights_and_grads, deepspeed/runtime/precision_config.py, which memkit/emit/deepspeed.py
+    writes) only under ZeRO 1-3: bf16-pure under DeepSpeed needs ZeRO 1-3; plain PyTorch keeps bf16
+    weights itself. The one statement of the rule (plan validation; the planner skips such structures)."""
     return plan.precision == "bf16-pure" and plan.engine == "deepspeed" and plan.zero_stage == 0
 
 
