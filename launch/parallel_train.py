@@ -30,10 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from memkit.errors import MemkitError  # noqa: E402
-from memkit.plan import TrainingPlan  # noqa: E402
-
-PLAN_FLAGS = ("tp", "pp", "dp", "micro_batch_size", "grad_accum", "seq_len", "precision", "pp_schedule",
-              "attention", "checkpointing", "zero_stage", "gradient_clipping")
+from memkit.plan import TrainingPlan, add_knob_flags, knob_values  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,18 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--model", help="catalog name, config.json path, or folder holding one")
     src.add_argument("--model-config", help="a config.json (or a JSON object string) with model_type")
     p.add_argument("--plan", help="plan.json (memkit suggest's bundle or a bare TrainingPlan dict)")
-    p.add_argument("--tp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--dp", type=int, help="default: world size / (tp*pp)")
-    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe"))
-    p.add_argument("--micro-batch-size", type=int)
-    p.add_argument("--grad-accum", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--precision", choices=("fp32", "bf16", "bf16-pure"))
-    p.add_argument("--attention", choices=("eager", "sdpa"))
-    p.add_argument("--checkpointing", choices=("none", "full"))
-    p.add_argument("--zero-stage", type=int)
-    p.add_argument("--gradient-clipping", type=float)
+    add_knob_flags(p, "launch")  # the plan knobs this harness takes (memkit/plan.py declares them)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -87,7 +73,7 @@ def make_plan(args, world_size: int) -> TrainingPlan:
     if args.plan:
         data = json.loads(Path(args.plan).read_text())
         base = dict(data.get("plan", data))
-    flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k, None) is not None}
+    flags = {k: v for k, v in knob_values(args, "launch").items() if v is not None}
     base.update(flags)
     base.setdefault("precision", "fp32")
     base.setdefault("micro_batch_size", 2)

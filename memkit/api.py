@@ -19,6 +19,7 @@ here downloads, prints or writes files.
 from __future__ import annotations
 
 from memkit.errors import MemkitError
+from memkit.plan import DEFAULT_LR
 
 
 def model_spec(model):
@@ -101,7 +102,7 @@ def suggest(model, *, global_batch_size: int, seq_len: int, gpu: str | None = No
     return search(request, num_alternatives=num_alternatives)
 
 
-def training_arguments(plan, *, output_dir: str, lr: float = 2e-5, weight_decay: float = 0.0,
+def training_arguments(plan, *, output_dir: str, lr: float = DEFAULT_LR, weight_decay: float = 0.0,
                        for_: str = "trainer", **overrides):
     """transformers.TrainingArguments that train `plan` with your own Trainer / SFTTrainer: the
     flags of the bundle README's Trainer recipe (memkit.emit.trainer.trainer_arguments).

@@ -60,14 +60,3 @@ def optimizer_in_backward_error(plan) -> str | None:
         return (f"{flag} with --precision fp16: the loss scaler unscales (and may skip) the step over every "
                 "gradient after backward; use --precision bf16 or fp32")
     return None
-
-
-def add_backward_args(g, *, for_search: bool = False) -> None:
-    """--offload-activations and --optimizer-in-backward on an argparse group (estimate, suggest
-    pins, the runner); `for_search`: not given = None."""
-    g.add_argument("--offload-activations", choices=ACTIVATION_OFFLOADS, default=None if for_search else "none",
-                   help="cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)")
-    g.add_argument(OPTIMIZER_IN_BACKWARD_FLAG, action="store_true", default=None if for_search else False,
-                   help="step each parameter in its gradient hook (one gradient alive); needs engine torch on one "
-                        "GPU, --grad-accum 1, no fp16 and no clipping (estimate/suggest set it to 0; the runner "
-                        "wants --gradient-clipping 0)")

@@ -2,43 +2,33 @@
 memkit.plan_schema to the same fields of plan.json. Pure (no I/O, no train/cli imports)."""
 from __future__ import annotations
 
-from memkit.plan import MAX_MICRO_BATCH  # one bound for the flag and the planner's search
+from memkit.plan import MAX_MICRO_BATCH, MAX_SEQ_LEN, knob_ranges  # noqa: F401 (one bound for flag and search)
 
 MAX_GLOBAL_BATCH = 2**20
 """Sequences per optimizer step: 2^20 is 16 x the largest published batch (LAMB's 65,536 sequences
 for BERT; You et al. 2020, "Large Batch Optimization for Deep Learning", Sec. 4) and 670 x
 GPT-3's 1,563 (Brown et al. 2020, Table 2.1); beyond it is a typo. (It was 10^12, which the
 planner could not answer in minutes.)"""
-MAX_SEQ_LEN = 2**24
-"""16M tokens: longer than any released model's context window."""
 MAX_SYNTHETIC_TOKENS = 2**28
 """synthetic:N materialises N x seq_len int64 ids, labels and mask (24 bytes/token): 6 GiB."""
 
 # flag dest -> (lowest, highest, what it is). Each limit stated once; `check_args` applies it to
-# whichever command has the flag.
+# whichever command has the flag. The plan knobs' ranges are declared with the knobs (memkit/plan.py).
 LIMITS: dict[str, tuple[float, float, str]] = {
-    "micro_batch_size": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
+    **knob_ranges(),
     "max_micro_batch": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-    "grad_accum": (1, 2**20, "micro-batches per optimizer step"),
     "global_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
     "ref_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
-    "seq_len": (1, MAX_SEQ_LEN, "tokens per sequence"),
     "num_gpus": (1, 1024, "GPUs per node"),
     "gpus_per_node": (1, 1024, "processes per node"),
     "num_nodes": (1, 100_000, "nodes"),
     "num_machines": (1, 100_000, "nodes"),
-    "tp": (1, 1024, "tensor-parallel degree"),
-    "pp": (1, 1024, "pipeline-parallel degree"),
-    "lora_rank": (0, 65_536, "LoRA rank (0 = full fine-tuning)"),
-    "lora_alpha": (1, 2**20, "LoRA alpha"),
-    "lora_dropout": (0.0, 0.99, "dropout probability"),
     "num_alternatives": (0, 100, "alternatives to list"),
     "port": (1, 65_535, "TCP port"),  # RFC 6335 Sec. 6: ports are 16-bit, 0 is reserved
     "main_process_port": (1, 65_535, "TCP port"),
     "lr": (1e-12, 100.0, "learning rate"),
     "weight_decay": (0.0, 10.0, "weight decay"),
     "min_lr_ratio": (0.0, 1.0, "fraction of the peak LR"),
-    "gradient_clipping": (0.0, 1e6, "max gradient norm (0 = off)"),
     "steps": (1, 10**7, "optimizer steps"),
     "max_steps": (1, 10**9, "optimizer steps"),
     "warmup_steps": (0, 10**9, "optimizer steps"),

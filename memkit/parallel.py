@@ -121,17 +121,35 @@ def tp_divides(spec: "ModelSpec", tp: int) -> list[str]:
         ("intermediate_size", spec.intermediate_size)) if value % tp]
 
 
+def tp_spans_nodes(tp: int, per_node: int) -> bool:
+    """The "a TP group stays in one node" rule, stated once (the planner, the degree checks, the
+    runner's launched world and launch-script use it): TP all-reduces every layer, so it needs
+    NVLink-class links (Shoeybi et al. 2019, Sec. 3), and the rank layout puts tp innermost
+    (RankLayout: a TP group is tp consecutive ranks), so the group stays in one node exactly when
+    tp divides the processes per node."""
+    return tp > 1 and per_node % tp != 0
+
+
 def tp_choices(spec: "ModelSpec", num_gpus_per_node: int | None = None) -> list[int]:
     """Tensor-parallel degrees (1 included) that divide the heads, the KV heads and the MLP width
     (Megatron-LM column/row splits, Shoeybi et al. 2019, Sec. 3) and, when given, the GPUs of a
     node (TP needs NVLink-class links)."""
     return [1] + [t for t in TP_DEGREES if not tp_divides(spec, t)
-                  and (num_gpus_per_node is None or (t <= num_gpus_per_node and num_gpus_per_node % t == 0))]
+                  and (num_gpus_per_node is None or not tp_spans_nodes(t, num_gpus_per_node))]
 
 
 def pp_choices(spec: "ModelSpec") -> list[int]:
     """Pipeline degrees (1 included) with at least one block per stage."""
     return [1] + [p for p in PP_DEGREES if p <= spec.num_layers]
+
+
+def bf16_unsupported(precision: str, hardware: "Hardware") -> str | None:
+    """What a bf16 precision cannot run on (a GPU without bf16 units: pre-Ampere), or None. The
+    hardware-dependent precision rule (estimate and the planner's request ask it before the plan's
+    own rules)."""
+    if precision in ("bf16", "bf16-pure") and not hardware.gpu.bf16:
+        return f"{hardware.gpu.name} has no bf16 support; use --precision fp16 or fp32"
+    return None
 
 
 def check_degrees(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware") -> None:
@@ -146,7 +164,7 @@ def check_degrees(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardware")
         if bad:
             raise MemkitError(f"tp={plan.tp} does not divide {', '.join(bad)}; "
                               f"try tp in {{{','.join(map(str, tp_choices(spec)))}}}")
-        if plan.tp > hardware.num_gpus_per_node:
+        if tp_spans_nodes(plan.tp, hardware.num_gpus_per_node) and plan.tp > hardware.num_gpus_per_node:
             raise MemkitError(
                 f"tp={plan.tp} spans nodes ({hardware.num_gpus_per_node} GPUs per node); tensor "
                 f"parallelism needs NVLink-class links: use tp <= {hardware.num_gpus_per_node}")
@@ -186,7 +204,7 @@ def validate_parallel(spec: "ModelSpec", plan: "TrainingPlan", hardware: "Hardwa
 
 def _check_tp_within_node(plan: "TrainingPlan", hardware: "Hardware") -> None:
     """A TP group's all-reduces run every layer: it stays inside one node."""
-    if hardware.num_gpus_per_node % plan.tp:
+    if tp_spans_nodes(plan.tp, hardware.num_gpus_per_node):
         raise MemkitError(
             f"tp={plan.tp} does not divide {hardware.num_gpus_per_node} GPUs per node, so some TP groups "
             f"would span nodes; use a tp that divides {hardware.num_gpus_per_node}")

@@ -7,93 +7,204 @@ is estimated as DeepSpeed would run it; the planner sets them explicitly.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Literal, get_args, get_type_hints
 
 from memkit.errors import MemkitError
 from memkit.parallel import split_knob_error
-from memkit.backward_techniques import activation_offload_error, optimizer_in_backward_error
-from memkit.techniques import CHECKPOINTING, LOSSES, checkpointing_error, loss_knob_error, partial_blocks_error  # noqa: F401
+from memkit.backward_techniques import (ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG, activation_offload_error,
+                                        optimizer_in_backward_error)
+from memkit.techniques import (CHECKPOINTING, LOSSES, checkpointing_error, checkpointing_type,  # noqa: F401
+                               loss_knob_error, partial_blocks_error)
 from memkit.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
-PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
-OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd")
-OFFLOADS = ("none", "cpu", "nvme")
-ATTENTIONS = ("eager", "sdpa", "flash")
+Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
+Offload = Literal["none", "cpu", "nvme"]
+Attention = Literal["eager", "sdpa", "flash"]
+Engine = Literal["deepspeed", "torch"]
+ZeroStage = Literal[0, 1, 2, 3]
+Loss = Literal[LOSSES]
+QuantizeBase = Literal[QUANTIZE_BASES]
+ActivationOffload = Literal[ACTIVATION_OFFLOADS]
+TpEngine = Literal["autotp", "tp_plan"]
+PpEngine = Literal["torch", "deepspeed"]
+PpSchedule = Literal["1f1b", "gpipe"]
+PRECISIONS = get_args(Precision)
+OPTIMIZERS = get_args(Optimizer)
+OFFLOADS = get_args(Offload)
+ATTENTIONS = get_args(Attention)
+ZERO_STAGES = get_args(ZeroStage)
 HF_ATTN_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 """transformers' attn_implementation for each plan attention (transformers modeling_utils.py,
 _check_and_adjust_attn_implementation); the runner and the bundle's Trainer model kwargs use it."""
-ENGINES = ("deepspeed", "torch")
-TP_ENGINES = ("autotp", "tp_plan")
-PP_ENGINES = ("torch", "deepspeed")
-PP_SCHEDULES = ("1f1b", "gpipe")
+ENGINES = get_args(Engine)
+TP_ENGINES = get_args(TpEngine)
+PP_ENGINES = get_args(PpEngine)
+PP_SCHEDULES = get_args(PpSchedule)
 MAX_MICRO_BATCH = 65_536
 """Largest micro-batch (sequences per GPU per step) memkit accepts or searches: 64k sequences of
 even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a real model."""
+MAX_SEQ_LEN = 2**24
+"""16M tokens: longer than any released model's context window."""
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_LR = 2e-5
+"""Peak LR for full fine-tuning with AdamW, the one default (plan.json's trainer_arguments,
+ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaMA 7B used 2e-5
+(Taori et al. 2023, tatsu-lab/stanford_alpaca README, "Fine-tuning"). Not a plan knob: it sets no memory."""
+
+# ---- one declaration per knob ------------------------------------------------------------------
+# Each TrainingPlan field is declared once, with `knob(...)`: its default, its type (Literal[...]
+# for choices: the flags' choices and validate()'s choice check read it), its range (the flags'
+# range check, memkit.limits.LIMITS, and plan_schema read it) and, per command, its help text.
+# Commands (`cli` keys): "estimate" (a value, the plan default when not given), "pin" (suggest:
+# None = the planner chooses), "workload" (suggest: a value the planner does not search),
+# "run" (the runner's overrides of plan.json: None = not given), "launch" (the split harness).
+# `add_knob_flags` builds the
+# argparse flags and `knob_values` reads them back; `Request` (planner/space.py) derives its pins
+# from the same fields.
+
+COMMANDS = ("estimate", "pin", "workload", "run", "launch")
+"""launch: launch/parallel_train.py, the split-training harness (None = not given; its own subsets
+of the choices). A `cli` value is the help text (None: none) or a dict with "help" and, where the
+command differs, "choices" (None: a plain typed value) and "flag"."""
+
+
+def knob(default, *, cli: dict | None = None, range: tuple | None = None, flag: str | None = None,  # noqa: A002
+         parse=None, negated: bool = False, choice_error: str | None = None, estimate_default=MISSING):
+    """A TrainingPlan field with its flag metadata. cli: command -> help text (None: no help);
+    range: (lowest, highest, what it is); flag: the option name (default --name-with-dashes);
+    parse: argparse type; negated: a True-default bool whose flag turns it off (--no-...);
+    choice_error: the message for a value outside the Literal's choices ({value});
+    estimate_default: `estimate`'s default when it is not the plan's (None: chosen later)."""
+    meta = {"cli": dict(cli or {}), "range": range, "flag": flag, "parse": parse, "negated": negated,
+            "choice_error": choice_error, "estimate_default": estimate_default}
+    return field(default=default, metadata=meta)
+
+
+_OIB_HELP = ("step each parameter in its gradient hook (one gradient alive); needs engine torch on one "
+             "GPU, --grad-accum 1, no fp16 and no clipping (estimate/suggest set it to 0; the runner "
+             "wants --gradient-clipping 0)")
+_OFFLOAD_ACT_HELP = "cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)"
+_DQ_HELP = "with --quantize-base: keep the block scales in fp32 (default: double quantisation)"
+_CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingPlan:
-    precision: str = "bf16"
+    precision: Precision = knob("bf16", cli={"estimate": None, "pin": None, "run": None,
+                                             "launch": {"choices": ("fp32", "bf16", "bf16-pure")}})
     """fp32; fp16/bf16 = mixed precision with fp32 master weights; bf16-pure = everything in bf16."""
-    optimizer: str = "adamw"
-    zero_stage: int = 0
+    optimizer: Optimizer = knob("adamw", cli={
+        "estimate": None, "run": None,
+        "pin": "default: AdamW; 8-bit AdamW / Adafactor / pure bf16 only if nothing else fits"})
+    zero_stage: ZeroStage = knob(0, flag="--zero", cli={"estimate": None, "pin": None,
+                                                        "launch": {"flag": "--zero-stage", "choices": None}},
+                                 choice_error="--zero {value} is not a ZeRO stage; use 0, 1, 2 or 3")
     """ZeRO stage 0-3 (Rajbhandari et al. 2020, Sec. 5). With engine='torch', 3 means FSDP full shard."""
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    checkpointing: str = "none"
+    offload_optimizer: Offload = knob("none", cli={"estimate": None, "pin": None})
+    offload_params: Offload = knob("none", cli={"estimate": None, "pin": None})
+    checkpointing: str = knob("none", parse=checkpointing_type, cli={
+        "estimate": _CKPT_HELP, "run": "none, full, or K (the first K blocks)",
+        "launch": {"choices": ("none", "full")},
+        "pin": "none, full, or K (the first K blocks); default: the planner picks the smallest K that fits"})
     """'full': HF activation_checkpointing_enable(), one checkpoint per block; 'K' (digits):
     the first K blocks only (memkit/techniques.py says which and why)."""
-    loss: str = "standard"
+    loss: Loss = knob("standard", cli={
+        "estimate": "standard (full fp32 logits), chunked (memkit's chunked cross-entropy), fused (liger-kernel, "
+                    "CUDA only)",
+        "pin": "default: standard, or chunked when the logits keep a plan from fitting", "run": None})
     """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
     liger-kernel's fused linear cross-entropy (CUDA only). memkit/techniques.py."""
-    offload_activations: str = "none"
+    offload_activations: ActivationOffload = knob("none", cli={
+        "estimate": _OFFLOAD_ACT_HELP, "pin": _OFFLOAD_ACT_HELP, "run": _OFFLOAD_ACT_HELP})
     """'cpu': every saved activation to host RAM in forward, back in backward (memkit/backward_techniques.py)."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = knob(False, flag=OPTIMIZER_IN_BACKWARD_FLAG, cli={
+        "estimate": _OIB_HELP, "pin": _OIB_HELP, "run": _OIB_HELP})
     """Each parameter steps in its post-accumulate-grad hook; one gradient alive at a time
     (memkit/backward_techniques.py states what it cannot run with)."""
-    attention: str = "sdpa"
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    seq_len: int = 2048
-    dp: int = 1
+    attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
+                                             "run": None, "launch": {"choices": ("eager", "sdpa")}})
+    micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),
+                                 cli={"estimate": None, "run": None, "launch": None})
+    grad_accum: int = knob(1, range=(1, 2**20, "micro-batches per optimizer step"),
+                           cli={"estimate": None, "run": None, "launch": None})
+    seq_len: int = knob(DEFAULT_SEQ_LEN, range=(1, MAX_SEQ_LEN, "tokens per sequence"), cli={
+        "estimate": None, "workload": f"tokens per sequence (default {DEFAULT_SEQ_LEN})", "run": None, "launch": None})
+    dp: int = knob(1, range=(1, 1024 * 100_000, "data-parallel degree"),
+                   cli={"launch": "default: world size / (tp*pp)"})
     """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
-    tp: int = 1
-    pp: int = 1
-    tp_engine: str = "autotp"
+    tp: int = knob(1, range=(1, 1024, "tensor-parallel degree"), cli={
+        "estimate": None, "launch": None,
+        "pin": "tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing fits "
+               "otherwise or the step-time model prices the split faster by more than its uncertainty"})
+    pp: int = knob(1, range=(1, 1024, "pipeline-parallel degree"), cli={
+        "estimate": None, "launch": None, "pin": "pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)"})
+    tp_engine: TpEngine = knob("autotp")
     """How TP runs: DeepSpeed AutoTP ('autotp') or transformers tp_plan/DTensor ('tp_plan')."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = knob(False)
     """With tp > 1: shard the hidden-sized activations (norms, residuals, dropout) and the loss
     over the TP ranks too (Korthikanti et al. 2022, Sec. 4.2.2; torchtitan's TP + loss parallel).
     DeepSpeed AutoTP does not do this; torch tp_plan/DTensor plans can."""
-    pp_engine: str = "torch"
+    pp_engine: PpEngine = knob("torch")
     """How PP runs: torch.distributed.pipelining ('torch') or DeepSpeed PipelineModule ('deepspeed')."""
-    pp_schedule: str = "1f1b"
-    lora_rank: int = 0
+    pp_schedule: PpSchedule = knob("1f1b", cli={"launch": None})
+    lora_rank: int = knob(0, range=(0, 65_536, "LoRA rank (0 = full fine-tuning)"), cli={
+        "estimate": None, "workload": "fine-tune LoRA adapters of this rank (0 = full)", "run": None})
     """0 = full fine-tuning."""
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    quantize_base: str = "none"
+    lora_targets: tuple[str, ...] = knob(("q_proj", "v_proj"), cli={
+        "estimate": "comma-separated module names (default q_proj,v_proj or the model's equivalents)",
+        "workload": "comma-separated module names (default q/v projections)",
+        "run": "comma-separated module names, e.g. q_proj,v_proj"})
+    lora_alpha: int = knob(16, range=(1, 2**20, "LoRA alpha"), cli={
+        "estimate": "LoRA scaling numerator: adapters scale by alpha/rank (peft LoraConfig.lora_alpha, default 16); "
+                    "no memory effect",
+        "workload": "LoRA alpha (peft LoraConfig.lora_alpha, default 16); recorded in plan.json and "
+                    "adapter_config.json",
+        "run": None})
+    """peft LoraConfig.lora_alpha: the adapter output is scaled by alpha / rank
+    (peft/tuners/lora/layer.py, LoraLayer.update_layer: scaling = lora_alpha / r). No memory term."""
+    lora_dropout: float = knob(0.05, range=(0.0, 0.99, "dropout probability"), cli={
+        "estimate": "dropout on the LoRA input (peft LoraConfig.lora_dropout, default 0.05); > 0 saves a mask "
+                    "and a dropped copy of each adapted input for backward, 0 saves neither",
+        "workload": "dropout on the LoRA input (peft LoraConfig.lora_dropout, default 0.05; priced: > 0 saves a "
+                    "mask and a copy per adapted linear)",
+        "run": None})
+    """peft LoraConfig.lora_dropout. peft/tuners/lora/layer.py, Linear.forward: `result + lora_B(
+    lora_A(dropout(x))) * scaling`; with p > 0, `dropout` is nn.Dropout (LoraLayer.update_layer,
+    else nn.Identity), which saves its mask and its output (lora_A's input) for backward. The
+    estimate prices them only when p > 0 (estimate/activations.py, _BlockReplay.proj ->
+    Tape.lora_linear(dropout=...))."""
+    quantize_base: QuantizeBase = knob("none", cli={
+        "estimate": "none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; needs "
+                    "--lora-rank; memkit/quantize.py)",
+        "pin": "with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit base "
+               "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)",
+        "run": "nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)"})
     """'nf4' / 'fp4': the frozen base's linear weights in 4 bits (bitsandbytes), LoRA on top
     (QLoRA); compute dtype from the precision. memkit/quantize.py states the rules."""
-    double_quant: bool = True
+    double_quant: bool = knob(True, flag="--no-double-quant", negated=True, cli={
+        "estimate": _DQ_HELP, "pin": "with a 4-bit base: keep the block scales in fp32 (default: double quantisation)",
+        "run": "with a 4-bit base: fp32 block scales"})
     """With a 4-bit base: quantise the block scales too (QLoRA Sec. 3; bnb_4bit_use_double_quant)."""
-    engine: str = "deepspeed"
+    engine: Engine = knob("deepspeed", estimate_default=None, cli={
+        "estimate": "deepspeed (default; torch with --quantize-base) or torch (plain PyTorch AMP/DDP; zero 3 = FSDP)"})
     """'deepspeed' (ZeRO via DeepSpeed) or 'torch' (plain PyTorch/AMP, DDP, FSDP)."""
-    fsdp_use_orig_params: bool = False
+    fsdp_use_orig_params: bool = knob(False)
     """torch FSDP1 `use_orig_params` (its default: False; Lightning Fabric's FSDPStrategy sets True
     with torch >= 2.0). True lets a wrapped unit mix frozen and trainable parameters, and the
     unit's gradient then covers all of it (estimate/states.py)."""
     # DeepSpeed ZeRO buffers, in elements (deepspeed/runtime/zero/config.py defaults).
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    gradient_clipping: float = 1.0
+    reduce_bucket_size: int = knob(500_000_000)
+    allgather_bucket_size: int = knob(500_000_000)
+    overlap_comm: bool = knob(False)
+    contiguous_gradients: bool = knob(True)
+    stage3_prefetch_bucket_size: int = knob(50_000_000)
+    stage3_max_live_parameters: int = knob(1_000_000_000)
+    stage3_max_reuse_distance: int = knob(1_000_000_000)
+    stage3_param_persistence_threshold: int = knob(100_000)
+    gradient_clipping: float = knob(1.0, range=(0.0, 1e6, "max gradient norm (0 = off)"),
+                                    cli={"run": "max global grad norm (0 = off)", "launch": None})
 
     # ---- derived ----
     @property
@@ -125,10 +236,8 @@ class TrainingPlan:
         """Raise MemkitError for any knob out of range or contradictory; return self. With the
         hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
         checkpointing K must be below it (memkit/techniques.py)."""
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("offload-optimizer", self.offload_optimizer, OFFLOADS)
-        _choice("offload-params", self.offload_params, OFFLOADS)
+        for f in fields(self):  # each knob's declared choices and lower bound (knob(...) above)
+            _check_declared(f, getattr(self, f.name))
         for error in (checkpointing_error(self.checkpointing),
                       loss_knob_error(self.loss, tp=self.tp, pp=self.pp)):
             if error:
@@ -136,23 +245,12 @@ class TrainingPlan:
         if self.checkpointing not in CHECKPOINTING and self.pp > 1:
             raise MemkitError(f"--checkpointing {self.checkpointing} with --pp {self.pp}: partial "
                               "checkpointing is priced for unsplit models; use none or full with --pp")
-        _choice("attention", self.attention, ATTENTIONS)
-        _choice("engine", self.engine, ENGINES)
-        _choice("tp engine", self.tp_engine, TP_ENGINES)
-        _choice("pp engine", self.pp_engine, PP_ENGINES)
-        _choice("pp schedule", self.pp_schedule, PP_SCHEDULES)
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise MemkitError(f"--zero {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
-        for name in ("micro_batch_size", "grad_accum", "seq_len", "dp", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise MemkitError(f"--{name.replace('_', '-')} {value} must be a positive integer")
-        if self.lora_rank < 0:
-            raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
         quantize_error = quantize_knob_error(self.quantize_base, lora_rank=self.lora_rank, precision=self.precision,
                                              engine=self.engine, zero_stage=self.zero_stage, tp=self.tp, pp=self.pp)
         if quantize_error:
             raise MemkitError(quantize_error)
+        if bf16_pure_needs_zero(self):
+            raise MemkitError(BF16_PURE_ZERO_ERROR)
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise MemkitError(
                 f"--offload-optimizer {self.offload_optimizer} needs ZeRO; use --zero 1, 2 or 3"
@@ -206,6 +304,136 @@ class TrainingPlan:
         return cls(**data)
 
 
-def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise MemkitError(f"--{what.replace(' ', '-')} {value!r} is not one of {', '.join(choices)}")
+def bf16_pure_needs_zero(plan) -> bool:
+    """DeepSpeed keeps bf16 master weights and gradients (its bf16 block's
+    bf16_master_weights_and_grads, deepspeed/runtime/precision_config.py, which memkit/emit/deepspeed.py
+    writes) only under ZeRO 1-3: bf16-pure under DeepSpeed needs ZeRO 1-3; plain PyTorch keeps bf16
+    weights itself. The one statement of the rule (plan validation; the planner skips such structures)."""
+    return plan.precision == "bf16-pure" and plan.engine == "deepspeed" and plan.zero_stage == 0
+
+
+BF16_PURE_ZERO_ERROR = ("--precision bf16-pure with --zero 0: bf16-pure under DeepSpeed needs ZeRO 1-3 (DeepSpeed "
+                        "keeps bf16 master weights only there: bf16_master_weights_and_grads); use --zero 1 or higher")
+
+_HINTS: dict = {}
+
+
+def knob_choices(f) -> tuple | None:
+    """The choices a knob's Literal type declares, or None."""
+    if not _HINTS:
+        _HINTS.update(get_type_hints(TrainingPlan))
+    hint = _HINTS[f.name]
+    return get_args(hint) if getattr(hint, "__origin__", None) is Literal else None
+
+
+def knob_kind(f) -> str:
+    """The Python type name of a knob's values: 'str', 'int', 'float', 'bool' or 'tuple'."""
+    choices = knob_choices(f)
+    if choices is not None:
+        return type(choices[0]).__name__
+    return "tuple" if str(f.type).startswith("tuple") else str(f.type)
+
+
+def flag_name(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _check_declared(f, value) -> None:
+    choices = knob_choices(f)
+    if choices is not None and value not in choices:
+        template = f.metadata.get("choice_error")
+        raise MemkitError(template.format(value=value) if template else
+                          f"{flag_name(f)} {value!r} is not one of {', '.join(map(str, choices))}")
+    bounds = f.metadata.get("range")
+    if bounds is None:
+        return
+    lo, hi, what = bounds
+    if isinstance(lo, int) and not isinstance(lo, bool) and isinstance(f.default, int):
+        if not isinstance(value, int) or value < lo:
+            if lo == 1:
+                raise MemkitError(f"{flag_name(f)} {value} must be a positive integer")
+            raise MemkitError(f"{flag_name(f)} {value} must be >= {lo} ({what.split('(')[-1].rstrip(')')})")
+    elif f.name == "lora_dropout" and not lo <= value <= hi:
+        raise MemkitError(f"{flag_name(f)} {value} must be between {lo} and {hi} ({what})")
+
+
+def knob_ranges() -> dict[str, tuple]:
+    """field name -> (lowest, highest, what): the range each ranged knob declares (memkit.limits)."""
+    return {f.name: f.metadata["range"] for f in fields(TrainingPlan) if f.metadata.get("range")}
+
+
+def knob_fields(command: str) -> list:
+    """The TrainingPlan fields `command` (COMMANDS) takes as flags, in declaration order."""
+    return [f for f in fields(TrainingPlan) if command in f.metadata.get("cli", {})]
+
+
+def add_knob_flags(group, command: str) -> None:
+    """argparse flags of the knobs `command` takes, from their declarations. estimate / workload:
+    the plan default when not given; pin / run: None (the planner, or plan.json, decides)."""
+    given = command in ("estimate", "workload")
+    for f in knob_fields(command):
+        meta, kwargs = f.metadata, {}
+        spec = _cli_spec(f, command)
+        flag = spec.get("flag") or flag_name(f)
+        if spec.get("help") is not None:
+            kwargs["help"] = spec["help"]
+        if meta["negated"]:
+            group.add_argument(flag, action="store_true", **kwargs)
+            continue
+        if f.type == "bool":
+            group.add_argument(flag, action="store_true", default=f.default if given else None, **kwargs)
+            continue
+        default = f.default if given else None
+        if command == "estimate" and meta["estimate_default"] is not MISSING:
+            default = meta["estimate_default"]
+        choices = spec["choices"] if "choices" in spec else knob_choices(f)
+        if f.name in ("tp", "pp") and command == "pin":
+            pass  # suggest takes a degree or 'auto' as text (cli/suggest.py parse_degree)
+        elif meta["parse"] is not None and "choices" not in spec:
+            kwargs["type"] = meta["parse"]
+        elif choices is not None:
+            kwargs["choices"] = choices
+            if isinstance(choices[0], int):
+                kwargs["type"] = int
+        elif knob_kind(f) in ("int", "float"):
+            kwargs["type"] = {"int": int, "float": float}[knob_kind(f)]
+        if f.name == "lora_targets":
+            default = None  # comma-separated text; memkit.cli.common.lora_targets / knob_values read it
+        group.add_argument(flag, default=default, **kwargs)
+
+
+def _cli_spec(f, command: str) -> dict:
+    spec = f.metadata["cli"][command]
+    return dict(spec) if isinstance(spec, dict) else {"help": spec}
+
+
+def knob_values(args, command: str) -> dict:
+    """field name -> the value of each knob flag `command` took (None: not given, for pin/run).
+    --lora-targets comes back as a tuple of names (None when not given)."""
+    out = {}
+    given = command in ("estimate", "workload")
+    for f in knob_fields(command):
+        dest = (_cli_spec(f, command).get("flag") or flag_name(f))[2:].replace("-", "_")
+        value = getattr(args, dest)
+        if f.metadata["negated"]:
+            value = False if value else (f.default if given else None)
+        elif f.name == "lora_targets" and value:
+            value = tuple(t.strip() for t in value.split(",") if t.strip())
+        out[f.name] = value
+    return out
+
+
+def request_knob_fields() -> list[tuple]:
+    """(name, type, field) of the planner Request's knob fields (planner/space.py derives them):
+    each "pin" knob as `type | None = None` (None: the planner chooses; a flag-only bool keeps its
+    plan default), each "workload" knob with its plan default."""
+    if not _HINTS:
+        _HINTS.update(get_type_hints(TrainingPlan))
+    out = []
+    for f in fields(TrainingPlan):
+        cli = f.metadata.get("cli", {})
+        if "workload" in cli or (f.type == "bool" and "pin" in cli):
+            out.append((f.name, _HINTS[f.name], field(default=f.default)))
+        elif "pin" in cli:
+            out.append((f.name, _HINTS[f.name] | None, field(default=None)))
+    return out

@@ -77,11 +77,10 @@ def _plan_fields() -> dict[str, Field]:
     """Every TrainingPlan field. Choices (precision, engine, ...) and cross-field rules are
     TrainingPlan.validate's; here: type and range. Required: the knobs every memkit plan.json has
     had; the others default to TrainingPlan's defaults (DeepSpeed's own)."""
-    from memkit.plan import TrainingPlan
+    from memkit.plan import TrainingPlan, knob_kind
 
-    kinds = {"str": "str", "int": "int", "float": "float", "bool": "bool"}
-    out = {f.name: Field("names" if str(f.type).startswith("tuple") else kinds[str(f.type)], required=False)
-           for f in fields(TrainingPlan)}
+    kinds = {"str": "str", "int": "int", "float": "float", "bool": "bool", "tuple": "names"}
+    out = {f.name: Field(kinds[knob_kind(f)], required=False) for f in fields(TrainingPlan)}
     out.update({
         "micro_batch_size": _limit("micro_batch_size"), "grad_accum": _limit("grad_accum"),
         "seq_len": _limit("seq_len"), "dp": Field("int", 1, MAX_GPUS), "tp": _limit("tp"), "pp": _limit("pp"),

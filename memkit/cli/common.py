@@ -4,10 +4,7 @@ from __future__ import annotations
 import argparse
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
-from memkit.quantize import QUANTIZE_BASES
-from memkit.backward_techniques import add_backward_args
-from memkit.techniques import LOSSES, checkpointing_type
+from memkit.plan import add_knob_flags
 from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
 from memkit.units import format_bytes, parse_bytes
 
@@ -50,38 +47,9 @@ def plan_engine(args: argparse.Namespace) -> str:
     return "torch" if (args.quantize_base or "none") != "none" else "deepspeed"
 
 
-def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> None:
-    """The knobs of a TrainingPlan. For `suggest` every knob is optional (a pin)."""
-    g = p.add_argument_group("plan")
-    default = (lambda v: None) if for_search else (lambda v: v)
-    g.add_argument("--micro-batch-size", type=int, default=default(1))
-    g.add_argument("--seq-len", type=int, default=2048 if not for_search else 2048)
-    g.add_argument("--grad-accum", type=int, default=default(1))
-    g.add_argument("--precision", choices=PRECISIONS, default=default("bf16"))
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=default("adamw"))
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=default(0))
-    g.add_argument("--offload-optimizer", choices=OFFLOADS, default=default("none"))
-    g.add_argument("--offload-params", choices=OFFLOADS, default=default("none"))
-    g.add_argument("--checkpointing", type=checkpointing_type, default=default("none"),
-                   help="none, full, or K: the first K decoder blocks (memkit/techniques.py)")
-    g.add_argument("--loss", choices=LOSSES, default=default("standard"),
-                   help="standard (full fp32 logits), chunked (memkit's chunked cross-entropy), "
-                        "fused (liger-kernel, CUDA only)")
-    g.add_argument("--attention", choices=ATTENTIONS, default=default("sdpa"))
-    add_backward_args(g, for_search=for_search)  # memkit/backward_techniques.py
-    g.add_argument("--tp", type=int, default=default(1))
-    g.add_argument("--pp", type=int, default=default(1))
-    g.add_argument("--lora-rank", type=int, default=default(0))
-    g.add_argument("--lora-targets", default=None,
-                   help="comma-separated module names (default q_proj,v_proj or the model's equivalents)")
-    g.add_argument("--engine", choices=("deepspeed", "torch"), default=None,
-                   help="deepspeed (default; torch with --quantize-base) or torch (plain PyTorch AMP/DDP; "
-                        "zero 3 = FSDP)")
-    g.add_argument("--quantize-base", choices=QUANTIZE_BASES, default=default("none"),
-                   help="none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; "
-                        "needs --lora-rank; memkit/quantize.py)")
-    g.add_argument("--no-double-quant", action="store_true",
-                   help="with --quantize-base: keep the block scales in fp32 (default: double quantisation)")
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The knobs of a TrainingPlan, each as memkit/plan.py declares it."""
+    add_knob_flags(p.add_argument_group("plan"), "estimate")
 
 
 def check_positive(**values: int | None) -> None:

@@ -7,7 +7,8 @@ import sys
 
 from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args, check_positive, plan_engine,
                                hardware_from_args, lora_targets, render_breakdown)
-from memkit.plan import TrainingPlan
+from memkit.errors import MemkitError
+from memkit.plan import TrainingPlan, knob_values
 
 HELP = "predict per-GPU peak memory (and host RAM) and the step time of one training plan"
 
@@ -45,19 +46,17 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
     total = hardware.num_gpus
     model_par = args.tp * args.pp
     if total % model_par:
-        from memkit.errors import MemkitError
         raise MemkitError(f"tp*pp = {model_par} does not divide the {total} GPUs; "
                           f"pick tp and pp whose product divides {total}")
-    return TrainingPlan(
-        precision=args.precision, optimizer=args.optimizer, zero_stage=args.zero,
-        offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-        checkpointing=args.checkpointing, loss=args.loss, attention=args.attention,
-        micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
-        dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
-        lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args),
-        quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
-        offload_activations=args.offload_activations, optimizer_in_backward=args.optimizer_in_backward,
-        **({"gradient_clipping": 0.0} if args.optimizer_in_backward else {})).validate()
+    knobs = knob_values(args, "estimate")  # every knob flag, as memkit/plan.py declares it
+    knobs.update(dp=total // model_par, lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args))
+    if args.optimizer_in_backward:
+        knobs["gradient_clipping"] = 0.0
+    from memkit.parallel import bf16_unsupported
+
+    if (error := bf16_unsupported(knobs["precision"], hardware)):  # the hardware's rule before the plan's
+        raise MemkitError(error)
+    return TrainingPlan(**knobs).validate()
 
 
 def run(args: argparse.Namespace) -> int:

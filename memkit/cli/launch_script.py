@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     if per_node * num_machines != plan.num_gpus:
         raise MemkitError(f"{num_machines} machines x {per_node} processes = {per_node * num_machines}, but the "
                           f"plan uses {plan.num_gpus} GPUs (dp*tp*pp); fix --num-machines/--gpus-per-node")
-    if per_node % plan.tp:  # rank layout: tp innermost, so a TP group is tp consecutive ranks (memkit.parallel)
+    from memkit.parallel import tp_spans_nodes
+
+    if tp_spans_nodes(plan.tp, per_node):  # memkit.parallel states the rule
         raise MemkitError(f"tp={plan.tp} with {per_node} processes per node: a TP group would span nodes; "
                           f"use --gpus-per-node a multiple of {plan.tp}")
     finetune_args = list(args.finetune_args)

@@ -9,10 +9,7 @@ import time
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
-from memkit.quantize import QUANTIZE_BASES
-from memkit.backward_techniques import add_backward_args
-from memkit.techniques import LOSSES, checkpointing_type
+from memkit.plan import TrainingPlan, add_knob_flags, knob_values
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
 
@@ -23,42 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--global-batch-size", type=int, required=True,
                    help="sequences per optimizer step across all GPUs (micro x accum x dp, exactly)")
-    w.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    w.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0 = full)")
-    w.add_argument("--lora-targets", default=None, help="comma-separated module names (default q/v projections)")
+    add_knob_flags(w, "workload")  # memkit/plan.py declares each knob
     pins = p.add_argument_group("pins (leave out to let memkit choose)")
-    pins.add_argument("--precision", choices=PRECISIONS)
-    pins.add_argument("--optimizer", choices=OPTIMIZERS,
-                      help="default: AdamW; 8-bit AdamW / Adafactor / pure bf16 only if nothing else fits")
-    pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    pins.add_argument("--offload-optimizer", choices=OFFLOADS)
-    pins.add_argument("--offload-params", choices=OFFLOADS)
+    add_knob_flags(pins, "pin")
     pins.add_argument("--no-offload", action="store_true", help="never offload to CPU or NVMe")
     pins.add_argument("--nvme-path", help="local NVMe mount; NVMe offload is considered only with it")
-    pins.add_argument("--checkpointing", type=checkpointing_type,
-                      help="none, full, or K (the first K blocks); default: the planner picks the smallest "
-                           "K that fits")
-    pins.add_argument("--loss", choices=LOSSES,
-                      help="default: standard, or chunked when the logits keep a plan from fitting")
-    pins.add_argument("--quantize-base", choices=QUANTIZE_BASES,
-                      help="with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit "
-                           "base (with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and "
-                           "QLoRA is faster)")
-    pins.add_argument("--no-double-quant", action="store_true",
-                      help="with a 4-bit base: keep the block scales in fp32 (default: double quantisation)")
-    pins.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     pins.add_argument("--allow", default="", metavar="TECHNIQUE,...",
                       help="model-changing techniques memkit may choose unpinned: qlora (a 4-bit base under "
                            "--lora-rank), 8bit-optimizer (8-bit AdamW); default: none. Every pin is honoured "
                            "or the request fails naming it")
-    add_backward_args(pins, for_search=True)  # memkit/backward_techniques.py, planner/backward.py
     pins.add_argument("--max-micro-batch", type=int)
-    pins.add_argument("--tp", default=None,
-                      help="tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
-                           "fits otherwise or the step-time model prices the split faster by more than its "
-                           "uncertainty")
-    pins.add_argument("--pp", default=None,
-                      help="pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)")
     pins.add_argument("--headroom", default="10%",
                       help="device memory left unused for fragmentation, variable-length batches and "
                            "eval spikes (default 10%%)")
@@ -118,17 +89,15 @@ def request_from_args(args: argparse.Namespace):
     model = load_model_spec(args.model)
     hardware = hardware_from_args(args)
     targets = lora_targets(args.lora_targets, model) if args.lora_rank else ("q_proj", "v_proj")
+    knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan.py's knobs
+    knobs.update(lora_targets=lora_targets(args.lora_targets, model) if args.lora_rank else TrainingPlan().lora_targets,
+                 optimizer_in_backward=bool(args.optimizer_in_backward), double_quant=not args.no_double_quant,
+                 tp=parse_degree(args.tp, "--tp"), pp=parse_degree(args.pp, "--pp"))
     return Request(
-        model=model, hardware=hardware, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
-        headroom=parse_headroom(args.headroom), objective=args.objective, precision=args.precision,
-        optimizer=args.optimizer, zero_stage=args.zero, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params, allow_offload=not args.no_offload, nvme_path=args.nvme_path,
-        checkpointing=args.checkpointing, loss=args.loss, attention=args.attention, max_micro_batch=args.max_micro_batch,
-        offload_activations=args.offload_activations, optimizer_in_backward=bool(args.optimizer_in_backward),
-        lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
-        quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
-        pp=parse_degree(args.pp, "--pp"), allow=parse_allow(args.allow),
-        split="auto").validate()
+        model=model, hardware=hardware, global_batch_size=args.global_batch_size,
+        headroom=parse_headroom(args.headroom), objective=args.objective,
+        allow_offload=not args.no_offload, nvme_path=args.nvme_path, max_micro_batch=args.max_micro_batch,
+        allow=parse_allow(args.allow), split="auto", **knobs).validate()
 
 
 def run(args: argparse.Namespace) -> int:

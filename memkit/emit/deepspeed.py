@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from memkit.errors import MemkitError
 from memkit.parallel import deepspeed_data_ranks
-from memkit.plan import TrainingPlan
+from memkit.plan import DEFAULT_LR, TrainingPlan
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -26,7 +26,7 @@ NVME_PARAM_BUFFER_ELEMENTS = 100_000_000
 """DeepSpeed's offload_param.buffer_size default; it must hold the largest parameter."""
 
 
-def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0,
+def deepspeed_config(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0,
                      nvme_path: str = "/local_nvme", optimizer_block: bool = True,
                      largest_param_numel: int = 0) -> dict:
     """DeepSpeed config dict that runs `plan` as written (HF Trainer's --deepspeed accepts it too).
@@ -58,9 +58,7 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: floa
     elif plan.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif plan.precision == "bf16-pure":
-        if plan.zero_stage == 0:
-            raise MemkitError("precision bf16-pure under DeepSpeed needs ZeRO 1-3 "
-                              "(bf16_master_weights_and_grads); use --zero 1 or higher")
+        # ZeRO 1-3 only: plan.validate() above refuses bf16-pure at ZeRO 0 (memkit/plan.py, bf16_pure_needs_zero)
         # Master weights, gradients and optimizer states all in bf16 (precision_config.py).
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
                           "bf16_optimizer_states": True}

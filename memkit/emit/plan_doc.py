@@ -17,11 +17,10 @@ from pathlib import Path
 from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.parallel import engines, split_limits
-from memkit.plan import TrainingPlan
+from memkit.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 
 PLAN_FORMAT_VERSION = 1
-DEFAULT_LR = 2e-5
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
 
@@ -88,28 +87,30 @@ def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory
     }
 
 
+REQUEST_ALWAYS = ("global_batch_size", "seq_len", "headroom", "objective", "attention", "split")
+"""Request fields plan.json always records; every other field only when it differs from its default."""
+REQUEST_ORDER = REQUEST_ALWAYS + (
+    "precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path", "checkpointing",
+    "loss", "max_micro_batch", "tp", "pp", "quantize_base", "allow_offload", "offload_activations",
+    "optimizer_in_backward", "allow", "lora_rank", "lora_targets")
+"""The key order plan.json has always had (presets are compared byte for byte); fields not named
+here follow in declaration order."""
+
+
 def request_dict(request) -> dict:
-    """The workload and the pins of a planner Request (pins only when given)."""
-    out = {"global_batch_size": request.global_batch_size, "seq_len": request.seq_len,
-           "headroom": request.headroom, "objective": request.objective, "attention": request.attention,
-           "split": request.split}
-    for key in ("precision", "optimizer", "zero_stage", "offload_optimizer", "offload_params", "nvme_path",
-                "checkpointing", "loss", "max_micro_batch", "tp", "pp", "quantize_base"):
-        value = getattr(request, key)
-        if value is not None:
-            out[key] = value
-    if not request.allow_offload:
-        out["allow_offload"] = False
-    if request.offload_activations is not None:
-        out["offload_activations"] = request.offload_activations
-    if request.optimizer_in_backward:
-        out["optimizer_in_backward"] = True
-    if request.allow:
-        out["allow"] = list(request.allow)
-    if request.lora_rank:
-        out["lora_rank"] = request.lora_rank
-        out["lora_targets"] = list(request.lora_targets)
-    return out
+    """The workload and the pins of a planner Request: REQUEST_ALWAYS, then each field that differs
+    from its default (a pin given; lora_targets with a LoRA rank), in REQUEST_ORDER."""
+    from dataclasses import fields
+
+    out = {}
+    for f in fields(request):
+        value = getattr(request, f.name)
+        if f.name in ("model", "hardware") or (f.name == "double_quant" and not request.quantize_base):
+            continue
+        if f.name in REQUEST_ALWAYS or (bool(request.lora_rank) if f.name == "lora_targets" else value != f.default):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    order = {name: i for i, name in enumerate(REQUEST_ORDER)}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
 def candidate_dict(cand) -> dict:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
-from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
             "adafactor": "adafactor", "sgd": "sgd"}
@@ -42,7 +42,7 @@ class TrainerRecipe:
     """Keyword arguments of AutoModelForCausalLM.from_pretrained."""
     peft_config: dict | None = None
     """peft LoraConfig fields (the bundle writes them to PEFT_CONFIG_FILE); None: full fine-tuning."""
-    max_length: int = 2048
+    max_length: int = DEFAULT_SEQ_LEN
     """Tokens per training sequence: tokenize / pack the data to this length (Trainer has no flag)."""
     model_code: tuple[str, ...] = ()
     """Python lines to run on the model after from_pretrained (partial checkpointing, chunked loss)."""
@@ -60,7 +60,7 @@ class TrainerRecipe:
         return out
 
 
-def trainer_arguments(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> dict:
+def trainer_arguments(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> dict:
     """The transformers TrainingArguments that agree with `deepspeed_config(plan)` and carry the
     model settings it cannot (checkpointing, optimizer when DeepSpeed does not build it)."""
     args = {
@@ -132,7 +132,7 @@ def bnb_config_kwargs(plan: TrainingPlan) -> dict | None:
             "bnb_4bit_compute_dtype": COMPUTE_DTYPE[plan.precision]}
 
 
-def trainer_recipe(plan: TrainingPlan, *, lr: float = 2e-5, weight_decay: float = 0.0) -> TrainerRecipe:
+def trainer_recipe(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> TrainerRecipe:
     return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
                          model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
                          peft_config=lora_config(plan), max_length=plan.seq_len,

@@ -11,15 +11,13 @@ what they allow; tp * pp * dp = GPUs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 
 from memkit.errors import MemkitError
 from memkit.planner import backward
-from memkit.parallel import (pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
-                             validate_parallel)
-from memkit.plan import MAX_MICRO_BATCH, OFFLOADS, OPTIMIZERS, PRECISIONS, TrainingPlan
-from memkit.quantize import QUANTIZE_BASES
-from memkit.techniques import checkpointing_error, loss_knob_error, partial_blocks_error
+from memkit.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
+                             tp_spans_nodes, validate_parallel)
+from memkit.plan import MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, request_knob_fields
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 
@@ -50,50 +48,34 @@ LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
 """Tried only when no AdamW plan fits (they change the training numerics); sgd only when pinned."""
 
 
+_RequestKnobs = make_dataclass("_RequestKnobs", request_knob_fields(), frozen=True, slots=True, kw_only=True)
+"""The plan knobs a request carries, derived from TrainingPlan's declarations (memkit/plan.py): a
+pin per searched knob (None: the planner chooses; checkpointing None: none, then the smallest
+number of checkpointed blocks K that fits, then full; loss None: standard and chunked;
+offload_activations None: none and cpu where offloading is allowed, planner/backward.py;
+quantize_base None: with LoRA and --allow qlora a 4-bit NF4 base only when no 16-bit-base plan fits
+without offloading, search.py QUANTIZED_TIER; tp None: among the degrees that divide the heads,
+the KV heads, the MLP width and the GPUs per node; pp None: powers of two up to the layers;
+optimizer_in_backward True: only plain-PyTorch one-GPU plans that step in backward) and the
+workload knobs the planner does not search (seq_len, attention, the LoRA adapters)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Request:
-    """What the user asked for. None means 'let the planner choose'."""
+class Request(_RequestKnobs):
+    """What the user asked for: the workload, the pins (None means 'let the planner choose') and
+    what only a request has."""
 
     model: ModelSpec
     hardware: Hardware
     global_batch_size: int
     """Sequences per optimizer step, across all data-parallel ranks: micro * accum * dp, exactly."""
-    seq_len: int
     headroom: float = DEFAULT_HEADROOM
     objective: str = "throughput"
     """'throughput': fastest plan that fits; 'memory': the plan with the lowest per-GPU peak."""
-    precision: str | None = None
-    optimizer: str | None = None
-    zero_stage: int | None = None
-    offload_optimizer: str | None = None
-    offload_params: str | None = None
     allow_offload: bool = True
     nvme_path: str | None = None
     """NVMe offload is searched only when the user names a path to put it on."""
-    checkpointing: str | None = None
-    """None: the planner tries none, then the smallest number of checkpointed blocks K that fits,
-    then full (memkit/techniques.py)."""
-    loss: str | None = None
-    """None: the planner tries the standard loss and the chunked one (memkit/techniques.py)."""
-    attention: str = "sdpa"
-    offload_activations: str | None = None
-    """None: the planner tries none and cpu where offloading is allowed (planner/backward.py)."""
-    optimizer_in_backward: bool = False
-    """True: search only plain-PyTorch one-GPU plans that step in backward (planner/backward.py)."""
     max_micro_batch: int | None = None
-    lora_rank: int = 0
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    quantize_base: str | None = None
-    """None: with LoRA and --allow qlora, a 4-bit NF4 base is tried only when no 16-bit-base plan
-    fits without offloading (search.py, QUANTIZED_TIER); without --allow qlora and with 'none'
-    never; 'nf4'/'fp4' always (memkit/quantize.py)."""
-    double_quant: bool = True
-    tp: int | None = None
-    """Tensor-parallel degree; None lets the planner choose (see `split`) among the degrees that
-    divide the heads, the KV heads, the MLP width and the GPUs per node."""
-    pp: int | None = None
-    """Pipeline-parallel degree; None lets the planner choose among powers of two up to the
-    number of layers."""
     split: str = "auto"
     """How unpinned tp/pp are chosen: 'if-needed' (data parallel unless nothing else fits) or
     'auto' (also when the step-time model says a split is clearly faster). SPLIT_MODES."""
@@ -105,12 +87,13 @@ class Request:
         return int((1.0 - self.headroom) * self.hardware.gpu.memory_bytes)
 
     def validate(self) -> "Request":
+        """The request-only checks (the hardware, batch arithmetic, headroom, objective, offload
+        permission, --allow, the split's fit to the GPUs); every plan rule is TrainingPlan.validate's
+        (and, for a pinned split, memkit.parallel.validate_parallel's), asked of a probe plan."""
         self.hardware.validate()
         gpu = self.hardware.gpu
         if self.global_batch_size < 1:
             raise MemkitError(f"--global-batch-size {self.global_batch_size} must be a positive integer")
-        if self.seq_len < 1:
-            raise MemkitError(f"--seq-len {self.seq_len} must be a positive integer")
         model = self.model
         if model.position_embedding == "learned" and self.seq_len > model.max_position_embeddings:
             raise MemkitError(
@@ -122,25 +105,9 @@ class Request:
             raise MemkitError(f"--objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.max_micro_batch is not None and self.max_micro_batch < 1:
             raise MemkitError(f"--max-micro-batch {self.max_micro_batch} must be >= 1")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise MemkitError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.precision in ("bf16", "bf16-pure") and not gpu.bf16:
-            raise MemkitError(f"--precision {self.precision}: {gpu.name} has no bf16 support; "
-                              "use --precision fp16 or fp32")
-        if self.precision == "bf16-pure" and self.zero_stage == 0:
-            raise MemkitError("--precision bf16-pure with --zero 0: DeepSpeed keeps bf16 master weights "
-                              "only under ZeRO 1-3 (bf16_master_weights_and_grads); use --zero 1 or higher")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise MemkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        for error in (checkpointing_error(self.checkpointing) if self.checkpointing is not None else None,
-                      partial_blocks_error(self.checkpointing, model.total_layers)
-                      if self.checkpointing is not None else None,
-                      loss_knob_error(self.loss, tp=self.tp or 1, pp=self.pp or 1) if self.loss else None):
-            if error:
-                raise MemkitError(error)
+        if self.precision is not None and (error := bf16_unsupported(self.precision, self.hardware)):
+            raise MemkitError(f"--precision {self.precision}: {error}")
         for flag, value in (("--offload-optimizer", self.offload_optimizer), ("--offload-params", self.offload_params)):
-            if value is not None and value not in OFFLOADS:
-                raise MemkitError(f"{flag} {value!r} is not one of {', '.join(OFFLOADS)}")
             if value not in (None, "none") and not self.allow_offload:
                 raise MemkitError(f"{flag} {value} contradicts --no-offload; drop one of them")
             if value == "nvme" and not self.nvme_path:
@@ -148,11 +115,7 @@ class Request:
         for name in self.allow:
             if name not in ALLOWS:
                 raise MemkitError(f"--allow {name!r} is not one of {', '.join(ALLOWS)}")
-        if self.lora_rank < 0:
-            raise MemkitError(f"--lora-rank {self.lora_rank} must be >= 0 (0 = full fine-tuning)")
-        if self.quantize_base is not None and self.quantize_base not in QUANTIZE_BASES:
-            raise MemkitError(f"--quantize-base {self.quantize_base!r} is not one of {', '.join(QUANTIZE_BASES)}")
-        if self.lora_rank and not set(self.lora_targets) & set(model.linear_names()):
+        if self.lora_rank > 0 and not set(self.lora_targets) & set(model.linear_names()):
             raise MemkitError(f"--lora-targets {','.join(self.lora_targets)} match no linear of {model.name}; "
                               f"its linears: {', '.join(model.linear_names())}")
         backward_error = backward.request_error(self)
@@ -161,7 +124,7 @@ class Request:
         num_gpus = self.hardware.num_gpus
         if self.split not in SPLIT_MODES:
             raise MemkitError(f"split mode {self.split!r} is not one of {', '.join(SPLIT_MODES)}")
-        if self.tp is not None and (self.tp < 1 or self.hardware.num_gpus_per_node % self.tp):
+        if self.tp is not None and (self.tp < 1 or tp_spans_nodes(self.tp, self.hardware.num_gpus_per_node)):
             raise MemkitError(f"--tp {self.tp} must divide the {self.hardware.num_gpus_per_node} GPUs per node "
                               "(tensor parallelism stays inside a node)")
         if self.pp is not None and (self.pp < 1 or num_gpus % (self.pp * (self.tp or 1))):
@@ -174,24 +137,19 @@ class Request:
                     f"needs at least {self.pp} micro-batches per step on each of the "
                     f"{num_gpus // (self.pp * (self.tp or 1))} pipelines; use --global-batch-size >= "
                     f"{self.pp * (num_gpus // (self.pp * (self.tp or 1)))}")
-        # Contradictory pins: let TrainingPlan.validate() (and, for a pinned split,
-        # memkit.parallel.validate_parallel) say it in their own words. Unpinned ZeRO takes the first stage the
-        # other pins allow.
+        # The plan rules: TrainingPlan.validate() (and, for a pinned split, memkit.parallel.validate_parallel)
+        # say them in their own words, of a plan with the pins and the workload. Unpinned ZeRO takes the
+        # first stage the other pins allow.
         tp, pp = self.tp or 1, self.pp or 1
         error = None
         for zero in ([self.zero_stage] if self.zero_stage is not None else list(run_zero_stages(tp, pp))):
             probe = split_plan(TrainingPlan(
+                **workload_knobs(self), **_probe_pins(self), zero_stage=zero,
                 precision=self.precision or ("bf16" if gpu.bf16 else "fp16"),
-                optimizer=self.optimizer or "adamw", zero_stage=zero,
-                offload_optimizer=self.offload_optimizer or "none",
-                offload_params=self.offload_params or "none",
-                checkpointing=self.checkpointing or "none", loss=self.loss or "standard",
-                attention=self.attention,
-                seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets,
                 tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp,
                 **quantized_knobs(self.quantize_base or "none", self.double_quant)))
             try:
-                probe.validate()
+                probe.validate(num_blocks=model.total_layers)
                 break
             except MemkitError as exc:
                 error = exc
@@ -200,6 +158,23 @@ class Request:
         if tp > 1 or pp > 1:
             validate_parallel(model, probe, self.hardware)
         return self
+
+
+_NOT_PROBED = ("precision", "zero_stage", "tp", "pp", "quantize_base", "double_quant", "offload_activations",
+               "optimizer_in_backward")
+"""Pins the probe plan sets itself (or, for the backward techniques, planner/backward.py checks)."""
+
+
+def _probe_pins(request: Request) -> dict:
+    """The request's given pins that the probe plan takes as they are."""
+    return {f.name: getattr(request, f.name) for f in knob_fields("pin")
+            if f.name not in _NOT_PROBED and getattr(request, f.name) is not None}
+
+
+def workload_knobs(request: Request) -> dict:
+    """The plan knobs the request fixes and the planner does not search (seq_len, attention, the
+    LoRA adapters): every plan it offers has them (memkit/plan.py, the "workload" knobs)."""
+    return {f.name: getattr(request, f.name) for f in knob_fields("workload")}
 
 
 def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
@@ -387,8 +362,8 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     for precision in tier.precisions:
         for optimizer in tier.optimizers:
             for zero in zeros:
-                if precision == "bf16-pure" and zero == 0:
-                    continue  # DeepSpeed keeps bf16 master weights only under ZeRO 1-3
+                if bf16_pure_needs_zero(TrainingPlan(precision=precision, zero_stage=zero, **quantized)):
+                    continue  # memkit/plan.py states the rule
                 combos = _offload_combos(request, zero) if not quantized else [("none", "none")]
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
@@ -396,11 +371,8 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                             plan = TrainingPlan(
                                 precision=precision, optimizer=optimizer, zero_stage=zero,
                                 offload_optimizer=off_opt, offload_params=off_par, checkpointing=ckpt,
-                                loss=loss,
-                                attention=request.attention, micro_batch_size=1, grad_accum=accum,
-                                seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
-                                lora_rank=request.lora_rank, lora_targets=request.lora_targets,
-                                overlap_comm=overlap, **buckets, **quantized)
+                                loss=loss, micro_batch_size=1, grad_accum=accum, dp=dp, tp=tp, pp=pp,
+                                **workload_knobs(request), overlap_comm=overlap, **buckets, **quantized)
                             for plan in backward.variants(request, split_plan(plan)):
                                 if pin_conflict(request, plan) is not None:
                                     continue  # pins are law: a plan differing from one is never offered

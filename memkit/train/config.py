@@ -8,13 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan import DEFAULT_LR, TrainingPlan, knob_fields
 
-PLAN_FLAGS = ("precision", "optimizer", "checkpointing", "loss", "attention", "micro_batch_size", "grad_accum",
-              "seq_len", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gradient_clipping",
-              "quantize_base", "double_quant")
-"""Plan knobs the runner also takes as flags (runs without a plan.json)."""
-PLAN_FLAGS = PLAN_FLAGS + ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
+PLAN_FLAGS = tuple(f.name for f in knob_fields("run"))
+"""Plan knobs the runner also takes as flags (runs without a plan.json): memkit/plan.py declares them."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -39,9 +36,9 @@ class RunConfig:
     """'pretrained' (the weights --model points at) or 'random' (fresh seeded weights; memkit.train.model.choose_init)."""
     output_dir: Path
     max_steps: int
-    lr: float = 2e-5
+    lr: float = DEFAULT_LR
     """Peak learning rate for the plan's global batch (after --scale-lr)."""
-    base_lr: float = 2e-5
+    base_lr: float = DEFAULT_LR
     """The LR the user asked for, before scaling."""
     lr_scaling_note: str = ""
     warmup_steps: int = 0
@@ -113,10 +110,8 @@ class RunConfig:
         return self
 
 
-FULL_FT_LR = 2e-5
-"""Peak LR for full fine-tuning with AdamW (memkit.emit.plan_doc.DEFAULT_LR; the value the presets and
-ds_config.json carry): Alpaca's full fine-tune of LLaMA 7B used 2e-5 (Taori et al. 2023,
-tatsu-lab/stanford_alpaca README, "Fine-tuning")."""
+FULL_FT_LR = DEFAULT_LR
+"""Peak LR for full fine-tuning with AdamW (memkit.plan.DEFAULT_LR says why)."""
 LORA_LR = 2e-4
 """Peak LR for LoRA / QLoRA adapters: 2e-4, what QLoRA used for 7B and 13B models (Dettmers et al.
 2023, "QLoRA", Appendix B.2 and Table 9; 1e-4 for 33B and 65B); adapters start at zero
@@ -345,6 +340,8 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
     world = int(env.get("WORLD_SIZE", "1"))
     rank_layout(plan, rank=int(env.get("RANK", "0")), world_size=world)  # the launched world
     launched_per_node = int(env.get("LOCAL_WORLD_SIZE", world))
-    if plan.tp > 1 and launched_per_node % plan.tp:
+    from memkit.parallel import tp_spans_nodes
+
+    if tp_spans_nodes(plan.tp, launched_per_node):
         raise MemkitError(f"tp={plan.tp} but {launched_per_node} processes per node were launched, so a "
                           f"TP group would span nodes; launch a multiple of {plan.tp} processes per node")

@@ -22,10 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, OPTIMIZERS, PRECISIONS, TrainingPlan
-from memkit.quantize import QUANTIZE_BASES
-from memkit.backward_techniques import add_backward_args
-from memkit.techniques import LOSSES, checkpointing_type
+from memkit.plan import TrainingPlan, add_knob_flags, knob_values
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
 
@@ -47,23 +44,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     p.add_argument("--num-epochs", type=float,
                    help="passes over the data instead of --max-steps (steps = ceil(epochs x sequences / global batch))")
     g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
-    g.add_argument("--precision", choices=PRECISIONS)
-    g.add_argument("--optimizer", choices=OPTIMIZERS)
-    g.add_argument("--checkpointing", type=checkpointing_type, help="none, full, or K (the first K blocks)")
-    g.add_argument("--loss", choices=LOSSES)
-    g.add_argument("--attention", choices=ATTENTIONS)
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--grad-accum", type=int)
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--lora-rank", type=int)
-    g.add_argument("--lora-alpha", type=int)
-    g.add_argument("--lora-dropout", type=float)
-    g.add_argument("--lora-targets", help="comma-separated module names, e.g. q_proj,v_proj")
-    g.add_argument("--gradient-clipping", type=float, help="max global grad norm (0 = off)")
-    g.add_argument("--quantize-base", choices=QUANTIZE_BASES,
-                   help="nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)")
-    g.add_argument("--no-double-quant", action="store_true", help="with a 4-bit base: fp32 block scales")
-    add_backward_args(g, for_search=True)  # None = not given (plan.json decides)
+    add_knob_flags(g, "run")  # memkit/plan.py declares each knob; None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=None,
                    help="peak LR at --ref-batch-size (default 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA: "
@@ -118,21 +99,8 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
 
 
 def plan_flags(args: argparse.Namespace) -> dict:
-    targets = args.lora_targets
-    return {"precision": args.precision, "optimizer": args.optimizer, "checkpointing": args.checkpointing,
-            "loss": args.loss,
-            "attention": args.attention, "micro_batch_size": args.micro_batch_size,
-            "grad_accum": args.grad_accum, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout,
-            "lora_targets": tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-            "gradient_clipping": args.gradient_clipping,
-            "quantize_base": args.quantize_base, "double_quant": False if args.no_double_quant else None,
-            **backward_flags(args)}
-
-
-def backward_flags(args: argparse.Namespace) -> dict:
-    """--offload-activations, --optimizer-in-backward (memkit/backward_techniques.py)."""
-    return {"offload_activations": args.offload_activations, "optimizer_in_backward": args.optimizer_in_backward}
+    """plan field -> its flag's value (None: not given) for every knob the runner takes (memkit/plan.py)."""
+    return knob_values(args, "run")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
