@@ -73,6 +73,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # the brute-force visits: ~50-110 s a row on 2 busy cores (`pytest -m "not slow"` skips them)
 @pytest.mark.parametrize("name", ["8b-2x4090", "1b-t4-fp16", "0.5b-1x4090", "3b-4xa10g-tp-auto", "8b-lora-1x4090",
                                   "8b-small-host-ram", "1b-2x2-pp-auto"])
 def test_branch_and_bound_finds_the_brute_force_optimum(name):

@@ -23,6 +23,7 @@ NAMES = sorted(p.name for p in PLANS.iterdir()) if PLANS.is_dir() else []
 CHECKER = Path(__file__).with_name("test_emit.py")
 
 
+@pytest.mark.slow  # regenerates every preset (~4.5 min on 2 busy cores)
 def test_committed_presets_are_not_stale():
     files = render(*plan_presets())
     stale = stale_files(files, presets_dir())

@@ -48,6 +48,7 @@ def requests(draw):
     )
 
 
+@pytest.mark.slow  # 60 searches (~5.5 min on 2 busy cores)
 @pytest.mark.xfail(reason="#28 pins: an unmeetable pin now says 'no plan shape honours the pins'; the property's expected wording not yet updated", strict=False)
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
