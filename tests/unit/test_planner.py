@@ -132,6 +132,7 @@ def test_headroom_is_ten_percent_by_default_and_shrinks_the_budget():
     assert loose.speed.step_time_s <= tight.speed.step_time_s
 
 
+@pytest.mark.slow  # one of the longest unit tests on 2 busy cores: the inner loop (-m 'not slow') skips it
 @pytest.mark.parametrize("pins, check", [
     ({"zero_stage": 3}, lambda p: p.zero_stage == 3),
     ({"precision": "fp32"}, lambda p: p.precision == "fp32"),
