@@ -1,6 +1,9 @@
 """Session setup shared by tests/unit and tests/e2e."""
 from __future__ import annotations
 
+import json
+import os
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -32,3 +35,27 @@ def deepspeed_cpu_ops(request):
         with FileLock(str(Path(tempfile.gettempdir()) / "memkit-tests-prebuild-ops.lock")):
             prebuild()
     yield
+
+
+CPU_REPORT = os.environ.get("MEMKIT_TEST_CPU_REPORT")
+"""A file that gets one JSON line per test: its CPU seconds, this process's plus its finished
+child processes' (getrusage RUSAGE_SELF + RUSAGE_CHILDREN: a launch's launcher and ranks once
+waited for), setup and teardown included. CPU seconds, unlike --durations' wall seconds, do not
+depend on what else the machine runs; the suite's wall time on CI's 2 idle cores is about their
+sum over 2. Off unless the variable is set."""
+
+
+def _cpu_s() -> float:
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_REPORT:
+        yield
+        return
+    before = _cpu_s()
+    yield
+    with open(CPU_REPORT, "a") as handle:
+        handle.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_s() - before, 2)}) + "\n")

@@ -81,7 +81,13 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int, pretr
     rank only ever holds its partition (transformers: integrations/deepspeed.py).
     """
     import torch
-    from transformers import AutoModelForCausalLM, set_seed
+    # accelerate's set_seed, not transformers': the same seeding (random, numpy, torch and every
+    # device's manual_seed_all; accelerate/utils/random.py and transformers/trainer_utils.py,
+    # set_seed), but importing transformers.trainer_utils imports peft, which imports bitsandbytes,
+    # which torch.compile-registers its ops and so imports torch._inductor: ~2.8 CPU s per rank
+    # for plans that use none of them (measured, the tiny Llama of tests/e2e/runner_util.py).
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM
 
     if not any(arch.endswith("ForCausalLM") for arch in (config.architectures or ["?ForCausalLM"])):
         raise MemkitError(f"--model {source.name} is a {config.architectures[0]}; the runner trains causal "

@@ -73,6 +73,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # the brute-force visits: ~50-110 s a row on 2 busy cores (`pytest -m "not slow"` skips them)
 @pytest.mark.parametrize("name", ["8b-2x4090", "1b-t4-fp16", "0.5b-1x4090", "3b-4xa10g-tp-auto", "8b-lora-1x4090",
                                   "8b-small-host-ram", "1b-2x2-pp-auto"])
 def test_branch_and_bound_finds_the_brute_force_optimum(name):
@@ -131,6 +132,7 @@ def test_headroom_is_ten_percent_by_default_and_shrinks_the_budget():
     assert loose.speed.step_time_s <= tight.speed.step_time_s
 
 
+@pytest.mark.slow  # one of the longest unit tests on 2 busy cores: the inner loop (-m 'not slow') skips it
 @pytest.mark.parametrize("pins, check", [
     ({"zero_stage": 3}, lambda p: p.zero_stage == 3),
     ({"precision": "fp32"}, lambda p: p.precision == "fp32"),

@@ -36,6 +36,7 @@ def _plans(model, hardware):
     return plan
 
 
+@pytest.mark.slow  # one of the longest unit tests on 2 busy cores: the inner loop (-m 'not slow') skips it
 @pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
 @pytest.mark.parametrize("name", MODELS)
 def test_device_memory_is_monotone_within_a_zero_stage(name, gpu, per_node, nodes):

@@ -23,6 +23,7 @@ NAMES = sorted(p.name for p in PLANS.iterdir()) if PLANS.is_dir() else []
 CHECKER = Path(__file__).with_name("test_emit.py")
 
 
+@pytest.mark.slow  # regenerates every preset (~4.5 min on 2 busy cores)
 def test_committed_presets_are_not_stale():
     files = render(*plan_presets())
     stale = stale_files(files, presets_dir())
@@ -66,6 +67,7 @@ def test_preset_files_agree_with_each_other(name):
     assert doc["estimate"]["nvidia_smi_peak_bytes"] <= doc["budget_bytes"]
 
 
+@pytest.mark.slow  # one of the longest unit tests on 2 busy cores: the inner loop (-m 'not slow') skips it
 def test_every_preset_is_accepted_by_deepspeed_accelerate_and_transformers():
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run([sys.executable, str(CHECKER), *(str(PLANS / n) for n in NAMES)],

@@ -49,6 +49,7 @@ def requests(draw):
     )
 
 
+@pytest.mark.slow  # 60 searches (~5.5 min on 2 busy cores)
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(requests())

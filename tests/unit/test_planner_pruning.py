@@ -78,6 +78,7 @@ def _partial_cases(req: Request):
     return out
 
 
+@pytest.mark.slow  # one of the longest unit tests on 2 busy cores: the inner loop (-m 'not slow') skips it
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_partial_checkpointing_answers_as_the_plain_visit_with_fewer_estimates(name):
     req = _request(name)

@@ -28,6 +28,7 @@ def test_every_preset_names_a_request():
     assert NAMES and set(NAMES) <= set(REQUESTS)
 
 
+@pytest.mark.slow  # one full `memkit suggest` per preset (133; ~1.7 CPU s each): the inner loop skips it
 @pytest.mark.parametrize("name", NAMES)
 def test_preset_is_what_suggest_writes(name, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # so that --out is the preset's own relative path
