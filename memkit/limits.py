@@ -23,6 +23,8 @@ LIMITS: dict[str, tuple[float, float, str]] = {
     "global_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
     "ref_batch_size": (1, MAX_GLOBAL_BATCH, "sequences per optimizer step"),
     "seq_len": (1, MAX_SEQ_LEN, "tokens per sequence"),
+    "target_len": (0, MAX_SEQ_LEN, "decoder tokens per sequence (0 = --seq-len)"),
+    "num_labels": (1, 2**20, "classification labels"),
     "num_gpus": (1, 1024, "GPUs per node"),
     "gpus_per_node": (1, 1024, "processes per node"),
     "num_nodes": (1, 100_000, "nodes"),

@@ -26,6 +26,13 @@ ENGINES = ("deepspeed", "torch")
 TP_ENGINES = ("autotp", "tp_plan")
 PP_ENGINES = ("torch", "deepspeed")
 PP_SCHEDULES = ("1f1b", "gpipe")
+TASKS = ("causal-lm", "seq-cls", "token-cls")
+"""What the model is trained to do: its own language-model head (causal LM, or the masked / seq2seq LM
+of an encoder / encoder-decoder), or a classification head of num_labels outputs on the whole
+sequence (AutoModelForSequenceClassification) or on every token (AutoModelForTokenClassification)."""
+TASK_DEFAULTS = {"task": "causal-lm", "num_labels": 2, "target_len": 0}
+"""Defaults of the task fields; to_dict leaves them out at these values, so plan.json files (and the
+presets) written before they existed read, and are written, the same."""
 MAX_MICRO_BATCH = 65_536
 """Largest micro-batch (sequences per GPU per step) memkit accepts or searches: 64k sequences of
 even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a real model."""
@@ -55,6 +62,12 @@ class TrainingPlan:
     micro_batch_size: int = 1
     grad_accum: int = 1
     seq_len: int = 2048
+    task: str = "causal-lm"
+    """One of TASKS; the head (and its logits) priced and trained (estimate/activations.py head_logits)."""
+    num_labels: int = 2
+    """Outputs of a seq-cls / token-cls head (transformers PretrainedConfig.num_labels, default 2)."""
+    target_len: int = 0
+    """Encoder-decoders (T5, BART): decoder tokens per sequence; 0 = seq_len (the encoder's)."""
     dp: int = 1
     """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
     tp: int = 1
@@ -137,6 +150,10 @@ class TrainingPlan:
             raise MemkitError(f"--checkpointing {self.checkpointing} with --pp {self.pp}: partial "
                               "checkpointing is priced for unsplit models; use none or full with --pp")
         _choice("attention", self.attention, ATTENTIONS)
+        _choice("task", self.task, TASKS)
+        task_error = task_knob_error(self)
+        if task_error:
+            raise MemkitError(task_error)
         _choice("engine", self.engine, ENGINES)
         _choice("tp engine", self.tp_engine, TP_ENGINES)
         _choice("pp engine", self.pp_engine, PP_ENGINES)
@@ -190,7 +207,7 @@ class TrainingPlan:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = {k: v for k, v in asdict(self).items() if TASK_DEFAULTS.get(k, object()) != v}
         out["lora_targets"] = list(self.lora_targets)
         return out
 
@@ -204,6 +221,26 @@ class TrainingPlan:
         if "lora_targets" in data:
             data["lora_targets"] = tuple(data["lora_targets"])
         return cls(**data)
+
+
+def task_knob_error(plan: "TrainingPlan") -> str | None:
+    """Why the task knobs cannot be priced with the rest of `plan` (one line: why, what to pass), or None.
+    The task heads are priced on unsplit models with HF's standard loss (estimate/activations.py)."""
+    if plan.num_labels < 1:
+        return f"--num-labels {plan.num_labels} must be a positive integer"
+    if plan.target_len < 0:
+        return f"--target-len {plan.target_len} must be >= 1 (or 0: the same as --seq-len)"
+    if plan.task != "causal-lm":
+        if plan.loss != "standard":
+            return (f"--loss {plan.loss} with --task {plan.task}: chunked/fused losses replace a language-model "
+                    "head; a classification head's logits are small, use --loss standard")
+        if plan.tp > 1 or plan.pp > 1:
+            return (f"--task {plan.task} with --tp {plan.tp} --pp {plan.pp}: memkit prices classification heads "
+                    "on unsplit models; use --tp 1 --pp 1 (data parallel / ZeRO)")
+    if plan.target_len and (plan.tp > 1 or plan.pp > 1):
+        return (f"--target-len {plan.target_len} with --tp {plan.tp} --pp {plan.pp}: memkit prices two lengths "
+                "on unsplit models; use --tp 1 --pp 1 (data parallel / ZeRO)")
+    return None
 
 
 def _choice(what: str, value: str, choices: tuple[str, ...]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from memkit.errors import MemkitError
-from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
+from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS, TASKS
 from memkit.quantize import QUANTIZE_BASES
 from memkit.backward_techniques import add_backward_args
 from memkit.techniques import LOSSES, checkpointing_type
@@ -56,6 +56,7 @@ def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> No
     default = (lambda v: None) if for_search else (lambda v: v)
     g.add_argument("--micro-batch-size", type=int, default=default(1))
     g.add_argument("--seq-len", type=int, default=2048 if not for_search else 2048)
+    add_task_args(g)
     g.add_argument("--grad-accum", type=int, default=default(1))
     g.add_argument("--precision", choices=PRECISIONS, default=default("bf16"))
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=default("adamw"))
@@ -82,6 +83,21 @@ def add_plan_args(p: argparse.ArgumentParser, *, for_search: bool = False) -> No
                         "needs --lora-rank; memkit/quantize.py)")
     g.add_argument("--no-double-quant", action="store_true",
                    help="with --quantize-base: keep the block scales in fp32 (default: double quantisation)")
+
+
+def add_task_args(g) -> None:
+    """--task, --num-labels, --target-len (TrainingPlan.task / num_labels / target_len)."""
+    g.add_argument("--task", choices=TASKS, default="causal-lm",
+                   help="causal-lm (default: the model's own LM head, masked/seq2seq LM for encoders/"
+                        "encoder-decoders), seq-cls or token-cls (a classification head of --num-labels)")
+    g.add_argument("--num-labels", type=int, default=2, help="outputs of the seq-cls / token-cls head (default 2)")
+    g.add_argument("--target-len", type=int, default=0,
+                   help="encoder-decoders (T5, BART): decoder tokens per sequence (default 0: --seq-len)")
+
+
+def task_knobs(args: argparse.Namespace) -> dict:
+    """The task fields of a TrainingPlan from add_task_args' flags."""
+    return {"task": args.task, "num_labels": args.num_labels, "target_len": args.target_len}
 
 
 def check_positive(**values: int | None) -> None:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args, check_positive, plan_engine,
+                               task_knobs,
                                hardware_from_args, lora_targets, render_breakdown)
 from memkit.plan import TrainingPlan
 
@@ -53,7 +54,7 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
         offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
         checkpointing=args.checkpointing, loss=args.loss, attention=args.attention,
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
-        dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
+        **task_knobs(args), dp=total // model_par, tp=args.tp, pp=args.pp, lora_rank=args.lora_rank,
         lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args),
         quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
         offload_activations=args.offload_activations, optimizer_in_backward=args.optimizer_in_backward,

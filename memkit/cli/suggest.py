@@ -6,7 +6,8 @@ import json
 import sys
 import time
 
-from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
+from memkit.cli.common import (add_hardware_args, add_model_args, add_task_args, hardware_from_args, lora_targets,
+                               task_knobs)
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
 from memkit.plan import ATTENTIONS, OFFLOADS, OPTIMIZERS, PRECISIONS
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--global-batch-size", type=int, required=True,
                    help="sequences per optimizer step across all GPUs (micro x accum x dp, exactly)")
     w.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    add_task_args(w)
     w.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0 = full)")
     w.add_argument("--lora-targets", default=None, help="comma-separated module names (default q/v projections)")
     pins = p.add_argument_group("pins (leave out to let memkit choose)")
@@ -113,9 +115,11 @@ def parse_degree(text: str | None, flag: str) -> int | None:
 
 def request_from_args(args: argparse.Namespace):
     from memkit.planner import Request
+    from memkit.plan import TrainingPlan
+    from memkit.spec.generic import task_spec
     from memkit.spec.hf import load_model_spec
 
-    model = load_model_spec(args.model)
+    model = task_spec(load_model_spec(args.model), TrainingPlan(**task_knobs(args)).validate())
     hardware = hardware_from_args(args)
     targets = lora_targets(args.lora_targets, model) if args.lora_rank else ("q_proj", "v_proj")
     return Request(
@@ -127,7 +131,7 @@ def request_from_args(args: argparse.Namespace):
         offload_activations=args.offload_activations, optimizer_in_backward=bool(args.optimizer_in_backward),
         lora_rank=args.lora_rank, lora_targets=targets, tp=parse_degree(args.tp, "--tp"),
         quantize_base=args.quantize_base, double_quant=not args.no_double_quant,
-        pp=parse_degree(args.pp, "--pp"), allow=parse_allow(args.allow),
+        pp=parse_degree(args.pp, "--pp"), allow=parse_allow(args.allow), **task_knobs(args),
         split="auto").validate()
 
 

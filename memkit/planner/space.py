@@ -99,6 +99,14 @@ class Request:
     'auto' (also when the step-time model says a split is clearly faster). SPLIT_MODES."""
     allow: tuple[str, ...] = ()
     """--allow: of ALLOWS, the model-changing techniques the planner may choose unpinned."""
+    task: str = "causal-lm"
+    num_labels: int = 2
+    target_len: int = 0
+    """The head and the decoder's length every candidate trains (TrainingPlan.task/num_labels/target_len)."""
+
+    @property
+    def task_knobs(self) -> dict:
+        return {"task": self.task, "num_labels": self.num_labels, "target_len": self.target_len}
 
     @property
     def budget_bytes(self) -> int:
@@ -187,7 +195,7 @@ class Request:
                 offload_params=self.offload_params or "none",
                 checkpointing=self.checkpointing or "none", loss=self.loss or "standard",
                 attention=self.attention,
-                seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets,
+                seq_len=self.seq_len, lora_rank=self.lora_rank, lora_targets=self.lora_targets, **self.task_knobs,
                 tp=tp, pp=pp, dp=max(1, num_gpus // (tp * pp)), grad_accum=pp,
                 **quantized_knobs(self.quantize_base or "none", self.double_quant)))
             try:
@@ -398,7 +406,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
                                 offload_optimizer=off_opt, offload_params=off_par, checkpointing=ckpt,
                                 loss=loss,
                                 attention=request.attention, micro_batch_size=1, grad_accum=accum,
-                                seq_len=request.seq_len, dp=dp, tp=tp, pp=pp,
+                                seq_len=request.seq_len, **request.task_knobs, dp=dp, tp=tp, pp=pp,
                                 lora_rank=request.lora_rank, lora_targets=request.lora_targets,
                                 overlap_comm=overlap, **buckets, **quantized)
                             for plan in backward.variants(request, split_plan(plan)):
