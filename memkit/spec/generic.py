@@ -78,7 +78,8 @@ def generic_fields(config: dict, source: str, auto_class: str | None = None) -> 
         tie_word_embeddings=tie, layer_linears=linears,
         encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
         layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
-        linear_in_out=_linear_in_out(model), traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
+        linear_in_out=_linear_in_out(model),
+        traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
                             "approximations": tuple(
                                 f"tensor-parallel splits: {', '.join(unknown)} priced as replicated (not in "
                                 "memkit's role table)" for unknown in [sorted({
@@ -94,8 +95,9 @@ def task_spec(spec, plan):
     if plan.task == "causal-lm" and not plan.target_len:
         return spec
     if plan.target_len and spec.kind != "encoder-decoder":
-        raise MemkitError(f"--target-len {plan.target_len}: {spec.name} is {'an' if spec.kind == 'encoder' else 'a'} {spec.kind}, not an encoder-decoder "
-                          "(T5, BART); drop --target-len and give its length as --seq-len")
+        article = "an" if spec.kind == "encoder" else "a"
+        raise MemkitError(f"--target-len {plan.target_len}: {spec.name} is {article} {spec.kind}, not an "
+                          "encoder-decoder (T5, BART); drop --target-len and give its length as --seq-len")
     config = json.loads(spec.extra.get("traced_config") or spec.extra.get("source_config") or "null")
     if config is None:
         raise MemkitError(f"--task {plan.task}: {spec.name} has no config memkit can build a task head from; "
