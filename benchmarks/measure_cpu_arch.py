@@ -44,19 +44,46 @@ ARCHS = {
                    "norm_rel_ebd": "layer_norm", "share_att_key": True, "position_biased_input": False},
     "distilbert": {"model_type": "distilbert", "dim": 256, "n_layers": 4, "n_heads": 8, "hidden_dim": 1024,
                    "vocab_size": 2000, "max_position_embeddings": 512},
+    # BERT (hand-modelled as a masked LM, spec/hf.py): its classifiers are counted and traced (--task).
+    "bert": {"model_type": "bert", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "intermediate_size": 1024, "vocab_size": 2000, "max_position_embeddings": 512},
 }
 # peft refuses out_proj and conv1d for model_type mamba (not for jamba).
 LORA = {"jamba": ("q_proj", "v_proj", "in_proj", "out_proj"), "mamba": ("in_proj", "x_proj"),
         "bart": ("q_proj", "v_proj"), "electra": ("query", "value"), "deberta-v2": ("query_proj", "value_proj"),
         "distilbert": ("q_lin", "v_lin")}
 EAGER_TOO = ("jamba", "bart", "electra", "distilbert")  # families with an SDPA path: an eager row as well
-FAMILIES = tuple(ARCHS)
+FAMILIES = tuple(a for a in ARCHS if a != "bert")
 ROWS = [row for arch in FAMILIES for row in (
     _single(f"{arch}-fp32-sdpa", arch),
     _single(f"{arch}-bf16-sdpa", arch, precision="bf16"),
     _single(f"{arch}-bf16-sdpa-ckpt", arch, precision="bf16", checkpointing="full"),
     _single(f"{arch}-fp32-sdpa-lora8", arch, lora_rank=8, lora_targets=LORA[arch]),
     *([_single(f"{arch}-fp32-eager", arch, attention="eager")] if arch in EAGER_TOO else []))]
+# Classification heads (--task seq-cls / token-cls, --num-labels) instead of the LM head, and an
+# encoder-decoder's decoder at its own length (--target-len); T5 from measure_cpu.py's ARCHS.
+ROWS += [
+    _single("bert-fp32-sdpa-seqcls3", "bert", task="seq-cls", num_labels=3),
+    _single("bert-bf16-sdpa-tokcls5", "bert", precision="bf16", task="token-cls", num_labels=5),
+    _single("bert-bf16-sdpa-ckpt-seqcls3", "bert", precision="bf16", checkpointing="full", task="seq-cls",
+            num_labels=3),
+    _single("deberta-v2-fp32-sdpa-seqcls3", "deberta-v2", task="seq-cls", num_labels=3),
+    _single("deberta-v2-bf16-sdpa-tokcls9", "deberta-v2", precision="bf16", task="token-cls", num_labels=9),
+    _single("electra-fp32-sdpa-seqcls2", "electra", task="seq-cls"),
+    _single("electra-fp32-eager-tokcls9", "electra", attention="eager", task="token-cls", num_labels=9),
+    _single("distilbert-fp32-sdpa-seqcls2", "distilbert", task="seq-cls"),
+    _single("distilbert-bf16-sdpa-ckpt-tokcls5", "distilbert", precision="bf16", checkpointing="full",
+            task="token-cls", num_labels=5),
+    _single("bart-fp32-sdpa-tgt64", "bart", target_len=64),
+    _single("bart-bf16-sdpa-ckpt-tgt128", "bart", precision="bf16", checkpointing="full", target_len=128),
+    _single("bart-fp32-eager-seq128-tgt256", "bart", attention="eager", seq_len=128, target_len=256),
+    # micro 8: the activations, not the optimizer step, set the peak
+    _single("bart-fp32-sdpa-micro8-tgt64", "bart", micro_batch_size=8, target_len=64),
+    _single("bart-bf16-sdpa-micro8-seq64-tgt256", "bart", precision="bf16", micro_batch_size=8, seq_len=64,
+            target_len=256),
+    _single("t5-fp32-sdpa-tgt64", "t5", target_len=64),
+    _single("t5-bf16-sdpa-ckpt-tgt128", "t5", precision="bf16", checkpointing="full", target_len=128),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

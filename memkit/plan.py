@@ -28,6 +28,7 @@ Loss = Literal[LOSSES]
 QuantizeBase = Literal[QUANTIZE_BASES]
 ActivationOffload = Literal[ACTIVATION_OFFLOADS]
 TpEngine = Literal["autotp", "tp_plan"]
+Task = Literal["causal-lm", "seq-cls", "token-cls"]
 PpEngine = Literal["torch", "deepspeed"]
 PpSchedule = Literal["1f1b", "gpipe"]
 PRECISIONS = get_args(Precision)
@@ -42,6 +43,13 @@ ENGINES = get_args(Engine)
 TP_ENGINES = get_args(TpEngine)
 PP_ENGINES = get_args(PpEngine)
 PP_SCHEDULES = get_args(PpSchedule)
+TASKS = get_args(Task)
+"""What the model is trained to do: its own language-model head (causal LM, or the masked / seq2seq LM
+of an encoder / encoder-decoder), or a classification head of num_labels outputs on the whole
+sequence (AutoModelForSequenceClassification) or on every token (AutoModelForTokenClassification)."""
+TASK_FIELDS = ("task", "num_labels", "target_len")
+"""to_dict leaves these out at their declared defaults, so plan.json files (and the presets) written
+before they existed read, and are written, the same."""
 MAX_MICRO_BATCH = 65_536
 """Largest micro-batch (sequences per GPU per step) memkit accepts or searches: 64k sequences of
 even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a real model."""
@@ -88,6 +96,9 @@ _OIB_HELP = ("step each parameter in its gradient hook (one gradient alive); nee
 _OFFLOAD_ACT_HELP = "cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)"
 _DQ_HELP = "with --quantize-base: keep the block scales in fp32 (default: double quantisation)"
 _CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py)"
+_TASK_HELP = ("causal-lm (default: the model's own LM head, masked/seq2seq LM for encoders/encoder-decoders), "
+              "seq-cls or token-cls (a classification head of --num-labels)")
+_TARGET_LEN_HELP = "encoder-decoders (T5, BART): decoder tokens per sequence (default 0: --seq-len)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +142,16 @@ class TrainingPlan:
                            cli={"estimate": None, "run": None, "launch": None})
     seq_len: int = knob(DEFAULT_SEQ_LEN, range=(1, MAX_SEQ_LEN, "tokens per sequence"), cli={
         "estimate": None, "workload": f"tokens per sequence (default {DEFAULT_SEQ_LEN})", "run": None, "launch": None})
+    task: Task = knob("causal-lm", cli={
+        "estimate": _TASK_HELP, "workload": _TASK_HELP})
+    """One of TASKS; the head (and its logits) priced (estimate/activations.py head_logits)."""
+    num_labels: int = knob(2, range=(1, 2**20, "classification labels"), cli={
+        "estimate": "outputs of the seq-cls / token-cls head (default 2)",
+        "workload": "outputs of the seq-cls / token-cls head (default 2)"})
+    """Outputs of a seq-cls / token-cls head (transformers PretrainedConfig.num_labels, default 2)."""
+    target_len: int = knob(0, range=(0, MAX_SEQ_LEN, "decoder tokens per sequence (0 = --seq-len)"), cli={
+        "estimate": _TARGET_LEN_HELP, "workload": _TARGET_LEN_HELP})
+    """Encoder-decoders (T5, BART): decoder tokens per sequence; 0 = seq_len (the encoder's)."""
     dp: int = knob(1, range=(1, 1024 * 100_000, "data-parallel degree"),
                    cli={"launch": "default: world size / (tp*pp)"})
     """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
@@ -245,6 +266,9 @@ class TrainingPlan:
         if self.checkpointing not in CHECKPOINTING and self.pp > 1:
             raise MemkitError(f"--checkpointing {self.checkpointing} with --pp {self.pp}: partial "
                               "checkpointing is priced for unsplit models; use none or full with --pp")
+        task_error = task_knob_error(self)
+        if task_error:
+            raise MemkitError(task_error)
         quantize_error = quantize_knob_error(self.quantize_base, lora_rank=self.lora_rank, precision=self.precision,
                                              engine=self.engine, zero_stage=self.zero_stage, tp=self.tp, pp=self.pp)
         if quantize_error:
@@ -288,7 +312,8 @@ class TrainingPlan:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        defaults = {f.name: f.default for f in fields(self) if f.name in TASK_FIELDS}
+        out = {k: v for k, v in asdict(self).items() if k not in defaults or defaults[k] != v}
         out["lora_targets"] = list(self.lora_targets)
         return out
 
@@ -437,3 +462,20 @@ def request_knob_fields() -> list[tuple]:
         elif "pin" in cli:
             out.append((f.name, _HINTS[f.name] | None, field(default=None)))
     return out
+
+
+def task_knob_error(plan: "TrainingPlan") -> str | None:
+    """Why the task knobs cannot be priced with the rest of `plan` (one line: why, what to pass), or None.
+    The task heads are priced on unsplit models with HF's standard loss (estimate/activations.py)."""
+    # --num-labels >= 1 and --target-len >= 0: their declared ranges (TrainingPlan fields)
+    if plan.task != "causal-lm":
+        if plan.loss != "standard":
+            return (f"--loss {plan.loss} with --task {plan.task}: chunked/fused losses replace a language-model "
+                    "head; a classification head's logits are small, use --loss standard")
+        if plan.tp > 1 or plan.pp > 1:
+            return (f"--task {plan.task} with --tp {plan.tp} --pp {plan.pp}: memkit prices classification heads "
+                    "on unsplit models; use --tp 1 --pp 1 (data parallel / ZeRO)")
+    if plan.target_len and (plan.tp > 1 or plan.pp > 1):
+        return (f"--target-len {plan.target_len} with --tp {plan.tp} --pp {plan.pp}: memkit prices two lengths "
+                "on unsplit models; use --tp 1 --pp 1 (data parallel / ZeRO)")
+    return None

@@ -84,12 +84,14 @@ def parse_degree(text: str | None, flag: str) -> int | None:
 
 def request_from_args(args: argparse.Namespace):
     from memkit.planner import Request
+    from memkit.plan import TASK_FIELDS
+    from memkit.spec.generic import task_spec
     from memkit.spec.hf import load_model_spec
 
-    model = load_model_spec(args.model)
-    hardware = hardware_from_args(args)
-    targets = lora_targets(args.lora_targets, model) if args.lora_rank else ("q_proj", "v_proj")
     knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan.py's knobs
+    task = TrainingPlan(**{name: knobs[name] for name in TASK_FIELDS}).validate()
+    model = task_spec(load_model_spec(args.model), task)  # the task's head and lengths (spec/generic.py)
+    hardware = hardware_from_args(args)
     knobs.update(lora_targets=lora_targets(args.lora_targets, model) if args.lora_rank else TrainingPlan().lora_targets,
                  optimizer_in_backward=bool(args.optimizer_in_backward), double_quant=not args.no_double_quant,
                  tp=parse_degree(args.tp, "--tp"), pp=parse_degree(args.pp, "--pp"))

@@ -472,12 +472,7 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
         saved += tokens * spec.vocab_size * logits_itemsize
     forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
     embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
-    if spec.block.attn_bias_grad and plan.checkpointing == "full":
-        # T5Stack (t5/modeling_t5.py): block 0 returns the position bias (b, heads, s, s) and every block
-        # takes it as an argument, which a checkpoint keeps until its backward (torch.utils.checkpoint):
-        # one per encoder, two per decoder (self and cross attention).
-        stacks = (1 if spec.num_encoder_layers else 0) + (2 if spec.kind == "encoder-decoder" else 1)
-        embedding += stacks * b * spec.num_attention_heads * plan.seq_len ** 2 * num.weight_itemsize
+    embedding += checkpointed_bias_bytes(spec, plan, b)
     return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
                            backward_peak_bytes=backward_peak, embedding_bytes=embedding)
 
@@ -489,11 +484,50 @@ def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, devic
     if trace is None:
         return head_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
     num = numerics(plan)
-    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, num.autocast or num.weight_itemsize)
+    rows, width = head_logits(spec, plan, b)
+    forward_peak, backward_peak = _loss_peaks(rows * width, num.autocast or num.weight_itemsize)
     # The batch's input_ids are saved by the embedding (traced); labels live beside them (int64).
     return HeadActivations(saved_bytes=trace.head_saved_bytes, forward_peak_bytes=forward_peak,
                            backward_peak_bytes=backward_peak,
-                           embedding_bytes=trace.embedding_saved_bytes + tokens * 8)
+                           embedding_bytes=trace.embedding_saved_bytes + rows * 8
+                           + checkpointed_bias_bytes(spec, plan, b))
+
+
+def checkpointed_bias_bytes(spec: ModelSpec, plan: TrainingPlan, b: int) -> int:
+    """T5Stack (t5/modeling_t5.py): block 0 returns the position bias (b, heads, query, key) and every
+    block takes it as an argument, which a checkpoint keeps until its backward (torch.utils.checkpoint):
+    one per encoder (source x source), two per decoder (self: target x target; cross: target x source).
+    The trace runs no checkpoint, so both paths add it here."""
+    if not (spec.block.attn_bias_grad and plan.checkpointing == "full"):
+        return 0
+    s = plan.seq_len
+    t = plan.target_len or s
+    if spec.kind == "encoder-decoder":
+        squares = (s * s if spec.num_encoder_layers else 0) + t * t + t * s
+    else:
+        squares = s * s
+    return b * spec.num_attention_heads * squares * numerics(plan).weight_itemsize
+
+
+def head_logits(spec: ModelSpec, plan: TrainingPlan, micro_batch_size: int | None = None) -> tuple[int, int]:
+    """(rows, width) of one micro-batch's logits, rows also its labels: a language model's are one
+    row per token (an encoder-decoder's per decoder token: plan.target_len, else seq_len) of
+    vocab_size; a classifier's (plan.task) num_labels per sequence (seq-cls: the pooled first/last
+    token, e.g. bert/modeling_bert.py BertForSequenceClassification) or per token (token-cls)."""
+    b = micro_batch_size or plan.micro_batch_size
+    if plan.task == "seq-cls":
+        return b, plan.num_labels
+    if plan.task == "token-cls":
+        return b * plan.seq_len, plan.num_labels
+    target = plan.target_len if plan.target_len and spec.kind == "encoder-decoder" else plan.seq_len
+    return b * target, spec.vocab_size
+
+
+def head_weight_elements(spec: ModelSpec, plan: TrainingPlan) -> int:
+    """Elements of the head's matmul weights autocast casts (and caches) for the loss: the LM head's
+    vocab x hidden, or a classification head's linears (spec.head_params: pooler/dense and classifier,
+    weights and biases, e.g. deberta_v2 ContextPooler + classifier)."""
+    return spec.vocab_size * spec.hidden_size if plan.task == "causal-lm" else spec.head_params
 
 
 def _loss_parallel_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:

@@ -18,10 +18,11 @@ CUDA context, NCCL communicator buffers).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations, numerics
+from memkit.estimate.activations import block_activations, head_logits, head_weight_elements, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
 from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
@@ -38,6 +39,7 @@ from memkit.estimate.techniques import (head_grad_lands_early, loss_activations,
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
+from memkit.spec.generic import task_spec
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES, Stack, behaviour
 from memkit.techniques import checkpointed_blocks, partial_blocks_error
@@ -115,6 +117,7 @@ def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     first, last)."""
     plan.validate()
     hardware.validate()
+    model = task_spec(model, plan)  # the task's head and lengths (spec/generic.py)
     check_parallel(model, plan, hardware)
     counts = stage_layers(model.total_layers, plan.pp)
     cache: dict[tuple, MemoryEstimate] = {}
@@ -221,7 +224,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     autocast_copy = head_copy = 0
     if num.autocast:
         autocast_copy = autocast_copy_bytes(model, plan)  # the cached 16-bit weight copies
-        head_copy = num.autocast * model.vocab_size * model.hidden_size if last and plan.loss == "standard" else 0
+        head_copy = num.autocast * head_weight_elements(model, plan) if last and plan.loss == "standard" else 0
     if plan.is_quantized:  # 4-bit bases run bitsandbytes' matmul, which autocast does not cast (tape.py)
         autocast_copy = 0
     # LoRA adapters are fp32 leaves that require grad (peft autocast_adapter_dtype=True), so autocast
@@ -531,7 +534,7 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     else:
         out["activations"] = tuple(v for v in blk.by_label.values() if v) or (blk.saved_bytes,)
     # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
-    logits = tokens * model.vocab_size // max(1, tp)
+    logits = math.prod(head_logits(model, plan)) // max(1, tp)
     if plan.loss == "standard":
         # saved: the fp32 log-probs; work (_loss_work_moments): the logits, then fp32 tensors (their
         # copy, loss_parallel's shifted logits, transformers < 4.46's shifted copy); backward: fp32.

@@ -72,7 +72,7 @@ def trace_plan(config: dict, *, auto_class: str, plan, micro_batch_size: int, de
     key = (json.dumps(config, sort_keys=True), auto_class, plan.seq_len, num.weight_itemsize, num.autocast,
            plan.attention, plan.lora_rank, tuple(plan.lora_targets) if plan.is_lora else (),
            plan.lora_dropout > 0 if plan.is_lora else False, device)
-    one, two = _trace(*key, 1), _trace(*key, 2)
+    one, two = _trace(*key, 1, target_len=plan.target_len), _trace(*key, 2, target_len=plan.target_len)
     b = micro_batch_size
 
     def at(a: int, c: int) -> int:
@@ -83,6 +83,22 @@ def trace_plan(config: dict, *, auto_class: str, plan, micro_batch_size: int, de
                  head_saved_bytes=at(one.head_saved_bytes, two.head_saved_bytes),
                  num_blocks=one.num_blocks, attention=one.attention, notes=one.notes,
                  layers=tuple((at(a1, a2), at(c1, c2)) for (a1, c1), (a2, c2) in zip(one.layers, two.layers)))
+
+
+TASK_CLASSES = {"seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
+"""The Auto class of each classification task (TrainingPlan.task); 'causal-lm' is auto_class_for's LM."""
+
+
+def label_shape(auto_class: str, micro_batch_size: int, seq_len: int, target_len: int = 0) -> tuple[int, ...]:
+    """The labels of one micro-batch: a class per sequence (ForSequenceClassificationLoss,
+    transformers/loss/loss_utils.py), a label per token (ForTokenClassification, and the LMs), or per
+    decoder token of a seq2seq LM, whose decoder inputs are the labels shifted right
+    (bart/modeling_bart.py shift_tokens_right; t5/modeling_t5.py _shift_right): target_len, else seq_len."""
+    if auto_class == TASK_CLASSES["seq-cls"]:
+        return (micro_batch_size,)
+    if auto_class == "AutoModelForSeq2SeqLM":
+        return (micro_batch_size, target_len or seq_len)
+    return (micro_batch_size, seq_len)
 
 
 def build_config(config: dict):
@@ -192,10 +208,10 @@ def _shrunk(hf_config, k: int):
 @lru_cache(maxsize=256)
 def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int, autocast: int | None,
            attention: str, lora_rank: int, lora_targets: tuple, lora_dropout: bool, device: str,
-           micro_batch_size: int, fake: bool = True, priced_scan: bool = True) -> Trace:
+           micro_batch_size: int, fake: bool = True, priced_scan: bool = True, target_len: int = 0) -> Trace:
     import torch
     import transformers
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
     hf_config = build_config(json.loads(config_json))
     hf_config.use_cache = False
@@ -223,12 +239,31 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
             (priced_scans(lambda: recorder.region) if priced_scan else contextlib.nullcontext()) as scans:
         _materialise(model)
         model.train()
-        recorder = _Recorder(model)
         ids = torch.zeros((micro_batch_size, seq_len), dtype=torch.long)
-        cast = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext())
-        with recorder, cast, _sdpa_without_dropout(device == "cuda"), \
-                torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
+        labels = torch.zeros(label_shape(auto_class, micro_batch_size, seq_len, target_len), dtype=torch.long)
+        failed = []  # a failed attempt's recorder holds its storages, so no key is reused
+        for loss_outside in (False, True):
+            recorder = _Recorder(model)
+            if scans:
+                scans.clear()
+            cast = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext())
+            try:
+                with recorder, cast, _sdpa_without_dropout(device == "cuda"), \
+                        torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                    if not loss_outside:
+                        model(input_ids=ids, labels=labels)
+                    else:
+                        # A model loss with a data-dependent shape, which fake tensors cannot run:
+                        # DebertaV2ForSequenceClassification selects `(labels >= 0).nonzero()` rows
+                        # (deberta_v2/modeling_deberta_v2.py). The same cross-entropy on every row
+                        # (all labels are valid here), on the fp32 logits as it computes it.
+                        logits = model(input_ids=ids).logits
+                        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+                break
+            except DynamicOutputShapeException:
+                if loss_outside:
+                    raise
+                failed.append(recorder)
         saved = recorder.priced(device=device, autocast=bool(autocast))
     num_blocks = len(recorder.blocks)
     weights = _block_weights(recorder.blocks, _stack_counts(hf_config, model), periodic)

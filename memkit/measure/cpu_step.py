@@ -57,13 +57,16 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     import torch
     import transformers
 
-    from memkit.estimate.traced import auto_class_for, from_config
+    from memkit.estimate.traced import TASK_CLASSES, auto_class_for, from_config
 
     torch.manual_seed(seed)
     config = build_config(model_config)
     config.use_cache = False
+    if plan.task != "causal-lm":
+        config.num_labels = plan.num_labels
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
-    auto = getattr(transformers, auto_class_for(config))  # causal LM, else seq2seq (T5), else masked LM
+    # causal LM, else seq2seq (T5), else masked LM; or the plan's classification head
+    auto = getattr(transformers, TASK_CLASSES.get(plan.task) or auto_class_for(config))
     if plan.is_quantized:
         from memkit.train.quantize import load_quantized, quantize_fresh
 
@@ -91,7 +94,7 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
                           # a masked LM (ELECTRA, DistilBERT) gets peft's plain PeftModel: PeftModelForCausalLM
                           # needs prepare_inputs_for_generation, which those classes lack (peft/peft_model.py)
                           task_type="SEQ_2_SEQ_LM" if config.is_encoder_decoder else
-                          None if auto is transformers.AutoModelForMaskedLM else "CAUSAL_LM")
+                          None if auto is not transformers.AutoModelForCausalLM else "CAUSAL_LM")
         model = get_peft_model(model, lora)
     return model
 
@@ -122,11 +125,20 @@ def build_optimizer(params, plan: TrainingPlan, *, lr: float = 1e-4, foreach: bo
                       "sgd or adafactor")
 
 
-def random_batch(vocab_size: int, plan: TrainingPlan, generator) -> dict:
+def random_batch(vocab_size: int, plan: TrainingPlan, generator, *, seq2seq: bool = False) -> dict:
+    """Random ids and labels: the ids themselves for a language model (a seq2seq model's decoder takes
+    plan.target_len of them where given), a class per sequence or per token for a classifier."""
     import torch
 
+    from memkit.estimate.traced import TASK_CLASSES, label_shape
+
     ids = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len), generator=generator)
-    return {"input_ids": ids, "labels": ids}
+    if plan.task == "causal-lm" and not (seq2seq and plan.target_len):
+        return {"input_ids": ids, "labels": ids}
+    auto = TASK_CLASSES.get(plan.task) or "AutoModelForSeq2SeqLM"
+    shape = label_shape(auto, plan.micro_batch_size, plan.seq_len, plan.target_len)
+    high = plan.num_labels if plan.task != "causal-lm" else vocab_size
+    return {"input_ids": ids, "labels": torch.randint(0, high, shape, generator=generator)}
 
 
 def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, seed: int = 0,
@@ -182,7 +194,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         for step in range(num_steps):
             for _micro in range(plan.grad_accum):
                 batch = random_batch(vocab_size, dataclasses.replace(plan, seq_len=seq_lens[step]) if seq_lens
-                                     else plan, generator)
+                                     else plan, generator, seq2seq=bool(model.config.is_encoder_decoder))
                 with tracker.phase(f"forward#{step}"):
                     # --offload-activations: saved tensors to a store the tracker does not see, as a
                     # GPU's counters would not see pinned host copies (train/backward_techniques.py).

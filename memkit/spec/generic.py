@@ -11,6 +11,7 @@ Imports torch/transformers lazily, only when hf.py meets a model type it does no
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from memkit.errors import MemkitError
 from memkit.spec.model import Linear
@@ -24,14 +25,16 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
        "o": "row", "down": "row"}
 
 
-def generic_fields(config: dict, source: str) -> dict:
-    """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`."""
+def generic_fields(config: dict, source: str, auto_class: str | None = None) -> dict:
+    """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`, built as its
+    language model or as `auto_class` (a task head: estimate/traced.py TASK_CLASSES)."""
     from memkit.estimate.traced import auto_class_for, block_lists, build_config
 
     if not _known_to_transformers(config["model_type"]):
         return _remote_code_fields(config, source)
     hf_config = build_config(config)
-    auto_class = auto_class_for(hf_config)
+    lm_class = auto_class_for(hf_config)
+    auto_class = auto_class or lm_class
     model = _meta_model(hf_config, auto_class)
     lists = block_lists(model)
     if not lists:
@@ -53,7 +56,7 @@ def generic_fields(config: dict, source: str) -> dict:
     heads = _attr(hf_config, "num_attention_heads", default=1)
     kv = _attr(hf_config, "num_key_value_heads", "num_kv_heads", default=None) or heads
     kind = {"AutoModelForCausalLM": "decoder", "AutoModelForSeq2SeqLM": "encoder-decoder",
-            "AutoModelForMaskedLM": "encoder"}[auto_class]
+            "AutoModelForMaskedLM": "encoder"}[lm_class]
     linears = _linears(biggest)
     names = {type(m).__name__.lower() for m in model.modules()}
     head_out = model.get_output_embeddings()
@@ -75,12 +78,52 @@ def generic_fields(config: dict, source: str) -> dict:
         tie_word_embeddings=tie, layer_linears=linears,
         encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
         layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
+        linear_in_out=_linear_in_out(model),
         traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
                             "approximations": tuple(
                                 f"tensor-parallel splits: {', '.join(unknown)} priced as replicated (not in "
                                 "memkit's role table)" for unknown in [sorted({
                                     lin.name for lin in linears if lin.role not in _TP and lin.role != "router"})]
                                 if unknown)})
+
+
+def task_spec(spec, plan):
+    """`spec` as `plan` trains it: the same spec for the model's own LM at one length; else the model
+    built with the task's head (a classifier of plan.num_labels outputs: transformers
+    AutoModelForSequenceClassification / AutoModelForTokenClassification) or, with --target-len, the
+    encoder-decoder traced at two lengths -- counted on the meta device and traced (estimate/traced.py)."""
+    if plan.task == "causal-lm" and not plan.target_len:
+        return spec
+    if plan.target_len and spec.kind != "encoder-decoder":
+        article = "an" if spec.kind == "encoder" else "a"
+        raise MemkitError(f"--target-len {plan.target_len}: {spec.name} is {article} {spec.kind}, not an "
+                          "encoder-decoder (T5, BART); drop --target-len and give its length as --seq-len")
+    config = json.loads(spec.extra.get("traced_config") or spec.extra.get("source_config") or "null")
+    if config is None:
+        raise MemkitError(f"--task {plan.task}: {spec.name} has no config memkit can build a task head from; "
+                          "use --task causal-lm")
+    return _task_spec(json.dumps(config, sort_keys=True), spec.name, spec.hub_id, spec.config_path,
+                      plan.task, plan.num_labels)
+
+
+@lru_cache(maxsize=64)
+def _task_spec(config_json: str, name: str, hub_id: str, config_path: str, task: str, num_labels: int):
+    import transformers
+
+    from memkit.estimate.traced import TASK_CLASSES, build_config
+    from memkit.spec.hf import spec_from_config
+
+    config = json.loads(config_json)
+    if task == "causal-lm":
+        return spec_from_config(config, name=name, hub_id=hub_id, config_path=config_path, traced=True)
+    config = {k: v for k, v in config.items() if k not in ("id2label", "label2id")}
+    config["num_labels"] = num_labels
+    auto_class = TASK_CLASSES[task]
+    if type(build_config(config)) not in getattr(transformers, auto_class)._model_mapping:
+        raise MemkitError(f"--task {task}: transformers {transformers.__version__} has no "
+                          f"{auto_class.removeprefix('AutoModelFor')} class for model_type {config['model_type']!r}; "
+                          "use --task causal-lm (its language-model head)")
+    return spec_from_config(config, name=name, hub_id=hub_id, config_path=config_path, auto_class=auto_class)
 
 
 def _known_to_transformers(model_type: str) -> bool:
@@ -114,6 +157,25 @@ def _meta_model(hf_config, auto_class: str):
 
     with torch.device("meta"):
         return getattr(transformers, auto_class).from_config(hf_config)
+
+
+def _linear_in_out(model) -> tuple[tuple[str, int], ...]:
+    """(name, sum of in + out features) of the model's nn.Linear modules, by last name part: the
+    modules peft's target_modules match by name suffix (ModelSpec.lora_params)."""
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        Conv1D = ()
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        key = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear):
+            out[key] = out.get(key, 0) + module.in_features + module.out_features
+        elif Conv1D and isinstance(module, Conv1D):  # GPT-2 style, weight (in, out): peft wraps it too
+            out[key] = out.get(key, 0) + sum(module.weight.shape)
+    return tuple(out.items())
 
 
 def _numel(module) -> int:

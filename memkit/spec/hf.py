@@ -11,6 +11,7 @@ No torch or transformers import here: config work is instant (STYLE.md, litgpt).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -584,8 +585,11 @@ _FAMILIES = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
 
-def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: str = "") -> ModelSpec:
-    """A ModelSpec from the dict of a config.json (`name` is what the user called it)."""
+def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: str = "",
+                     auto_class: str | None = None, traced: bool = False) -> ModelSpec:
+    """A ModelSpec from the dict of a config.json (`name` is what the user called it). `auto_class`
+    (a task head) or `traced`: counted and traced from transformers' module (spec/generic.py) even
+    for a family modelled by hand."""
     source = config_path or name
     model_type = config.get("model_type")
     if not model_type:
@@ -595,14 +599,19 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
         raise MemkitError(f"{source} is a multimodal gemma3 config; memkit estimates its language model: save "
                           "its text_config (model_type gemma3_text) as a config.json and pass that")
     family = _FAMILIES.get(model_type)
-    if family is None:
+    if family is None or auto_class or traced:
+        block = family(_Cfg(config, source)).get("block") if family is not None else None
         # Not modelled by hand: sizes from transformers' config class, counts from a meta-device build,
         # activations traced from the module itself (spec/generic.py, estimate/traced.py).
         from memkit.spec.generic import generic_fields
 
-        fields = generic_fields(config, source)
+        fields = generic_fields(config, source, auto_class)
+        if block is not None:  # a hand-modelled family's block facts (T5's position bias: activations.py)
+            fields["block"] = block
     else:
         fields = family(_Cfg(config, source))
+        # the config itself, for a task head built from it (spec/generic.py task_spec)
+        fields["extra"] = {**fields.get("extra", {}), "source_config": json.dumps(config, sort_keys=True)}
     num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
                   + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)
                   + fields["head_params"])

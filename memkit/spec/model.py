@@ -124,6 +124,10 @@ class ModelSpec:
     """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
     config_path: str = ""
     """The config.json this spec was read from (what the runner builds the model from)."""
+    linear_in_out: tuple[tuple[str, int], ...] = ()
+    """Traced models: per nn.Linear name (its last dotted part), in_features + out_features summed over
+    every module of that name in the model -- what peft's LoRA adds per rank for that target, exactly,
+    even where blocks differ (Jamba's Mamba and attention blocks); () = the blocks' linears x layers."""
     traced: bool = False
     """Activations come from tracing the HF module itself (estimate/traced.py), not the hand tape:
     set for model types hf.py does not model by hand (spec/generic.py)."""
@@ -164,8 +168,12 @@ class ModelSpec:
         return max(self.layer_params, self.encoder_layer_params, self.embedding_params, self.head_params)
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Trainable LoRA parameters: r*(in+out) per targeted linear (Hu et al. 2021, Sec. 4.1)."""
-        total = 0
+        """Trainable LoRA parameters: r*(in+out) per targeted linear (Hu et al. 2021, Sec. 4.1); peft
+        wraps every nn.Linear whose name ends in a target (peft/tuners/tuners_utils.py
+        check_target_module_exists)."""
+        table = dict(self.linear_in_out)
+        total = rank * sum(table[t] for t in set(targets) if t in table)
+        targets = tuple(t for t in targets if t not in table)  # e.g. fused 3-D experts: the blocks' counts
         for linears, count in ((self.layer_linears, self.num_layers),
                                (self.encoder_layer_linears, self.num_encoder_layers)):
             for lin in linears:
@@ -175,4 +183,4 @@ class ModelSpec:
 
     def linear_names(self) -> tuple[str, ...]:
         names = [lin.name for lin in self.layer_linears + self.encoder_layer_linears]
-        return tuple(dict.fromkeys(names))
+        return tuple(dict.fromkeys(names + [name for name, _ in self.linear_in_out]))

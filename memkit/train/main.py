@@ -129,7 +129,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     tokenizer and the data. launched=False (`memkit train`, before it starts the launcher) skips
     the launched-world checks."""
     from memkit.train.config import (check_flags, check_split, default_lr, plan_model_name, read_plan_file,
-                                     scaled_lr)
+                                     refuse_task, scaled_lr)
     from memkit.train.data import prepare_data
     from memkit.train.model import choose_init, load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
@@ -138,6 +138,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     plan, plan_doc = (None, None)
     if args.plan:
         plan, plan_doc = read_plan_file(args.plan)
+        refuse_task(plan)
     flags = plan_flags(args)
     if plan is not None:
         check_flags(plan, flags)  # --micro-batch-size 4 against a plan of 2: one line, before any rank starts

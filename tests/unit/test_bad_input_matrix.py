@@ -413,7 +413,7 @@ def _mutated(doc: dict, section: str, name: str, value) -> dict:
     d = json.loads(json.dumps(doc))
     block = d[section] if section else d
     if value is MISSING:
-        del block[name]
+        block.pop(name, None)  # the task fields are left out at their defaults (TrainingPlan.to_dict)
     else:
         block[name] = value
     return d

@@ -16,6 +16,7 @@ import pytest
 from memkit.estimate.memory import estimate_memory
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
+from memkit.spec.generic import task_spec
 from memkit.spec.hf import spec_from_config
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements_arch.json"
@@ -25,25 +26,41 @@ ROWS = json.loads(GOLDEN.read_text())["rows"]
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
 def test_estimate_within_tolerance_of_measured_peak(row):
-    spec = spec_from_config(row["model_config"], name=row["arch"])
     plan = TrainingPlan.from_dict(row["plan"])
+    spec = task_spec(spec_from_config(row["model_config"], name=row["arch"]), plan)  # --task's head
     assert spec.num_params == row["num_params"] - (row["num_trainable_params"] if plan.is_lora else 0)
     est = estimate_memory(spec, plan, Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=1), device="cpu")
     peak = row["measured"]["peak_bytes"]
     assert est.allocated_peak_bytes == pytest.approx(peak, rel=TOLERANCE), (
         f"{row['id']}: predicted {est.allocated_peak_bytes} ({est.peak_phase}) vs measured {peak}")
-    if row["id"] not in TRAINABLE_COUNT_GAPS:
-        assert est.num_trainable_params == row["num_trainable_params"]
-    else:
-        assert est.num_trainable_params == TRAINABLE_COUNT_GAPS[row["id"]]
-
-
-# Known gap, stated and pinned: a hybrid stack's LoRA count takes every block's linears to be the
-# largest block's (spec/generic.py _linears of one block), so targets that exist only in Jamba's
-# Mamba or only in its attention blocks are miscounted (measured 46,080 trainable); the peak is
-# within tolerance (its adapters are tiny here).
-TRAINABLE_COUNT_GAPS = {"jamba-fp32-sdpa-lora8": 26_624}
+    # exact, peft's own count on the measured model (a hybrid stack's Mamba-only and attention-only
+    # targets too: ModelSpec.linear_in_out)
+    assert est.num_trainable_params == row["num_trainable_params"]
 
 
 def test_every_family_has_rows():
-    assert {r["arch"] for r in ROWS} == {"mamba", "jamba", "bart", "electra", "deberta-v2", "distilbert"}
+    assert {r["arch"] for r in ROWS} == {"mamba", "jamba", "bart", "electra", "deberta-v2", "distilbert",
+                                         "bert", "t5"}
+    tasks = {(r["arch"], r["plan"].get("task", "causal-lm")) for r in ROWS}
+    assert {("bert", "seq-cls"), ("bert", "token-cls"), ("deberta-v2", "seq-cls"), ("electra", "seq-cls"),
+            ("distilbert", "token-cls")} <= tasks
+    assert {r["arch"] for r in ROWS if r["plan"].get("target_len")} == {"bart", "t5"}
+
+
+def test_jamba_lora_count_is_peft_count():
+    """Jamba's LoRA on Mamba-only (in_proj, x_proj) and attention-only (q_proj, o_proj) linears: the
+    spec's count equals peft's on the model built from the config (meta device, no weights)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import transformers
+
+    from memkit.estimate.traced import build_config
+
+    config = next(r["model_config"] for r in ROWS if r["arch"] == "jamba")
+    targets = ("in_proj", "x_proj", "q_proj", "o_proj")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(build_config(config))
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=list(targets)))
+    peft_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec_from_config(config, name="jamba").lora_params(4, targets) == peft_count
