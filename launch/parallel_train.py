@@ -85,8 +85,9 @@ def load_model_config(args) -> tuple[str, dict]:
 def make_plan(args, world_size: int) -> TrainingPlan:
     base: dict = {}
     if args.plan:
-        data = json.loads(Path(args.plan).read_text())
-        base = dict(data.get("plan", data))
+        from memkit.emit.plan_doc import read_plan_fields
+
+        base = read_plan_fields(args.plan)
     flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k, None) is not None}
     base.update(flags)
     base.setdefault("precision", "fp32")

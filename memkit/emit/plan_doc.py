@@ -223,11 +223,27 @@ def check(doc, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocum
 def read(path_text: str | Path, *, flag: str = "--plan", require: tuple[str, ...] = ("plan",)) -> PlanDocument:
     """Read and check plan.json at `path_text` (or in that folder); OS, decoding and JSON errors
     are one line (memkit.fileio)."""
+    path, doc = _read_json(path_text, flag)
+    checked = check(doc, where=f"{flag} {path}" if flag else str(path), require=require)
+    return PlanDocument(checked.data, path)
+
+
+def read_plan_fields(path_text: str | Path, *, flag: str = "--plan") -> dict:
+    """The plan fields of a plan.json as written: a bundle's (checked as `read` checks it) or a
+    bare TrainingPlan dict (the launch harness's hand-written plans, checked by the caller's
+    TrainingPlan.from_dict)."""
+    path, doc = _read_json(path_text, flag)
+    if isinstance(doc, dict) and "plan" not in doc:
+        return dict(doc)
+    return dict(check(doc, where=f"{flag} {path}" if flag else str(path)).data["plan"])
+
+
+def _read_json(path_text: str | Path, flag: str):
+    """(the path, its parsed JSON): plan.json at `path_text` or in that folder; OS, decoding and
+    JSON errors are one line (memkit.fileio)."""
     from memkit.fileio import read_json
 
     path = Path(path_text)
     if path.is_dir():
         path = path / "plan.json"
-    doc = read_json(path, what=flag, fix="`memkit suggest --out DIR` writes DIR/plan.json")
-    checked = check(doc, where=f"{flag} {path}" if flag else str(path), require=require)
-    return PlanDocument(checked.data, path)
+    return path, read_json(path, what=flag, fix="`memkit suggest --out DIR` writes DIR/plan.json")

@@ -40,13 +40,10 @@ def load_model_config(source) -> dict:
 
 def build_config(model_config):
     """An HF PretrainedConfig from a dict (or config.json path) with 'model_type' and the config keys."""
-    from transformers import AutoConfig
+    from memkit.spec.hf_config import build_hf_config
 
-    data = load_model_config(model_config)
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise MemkitError("model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
-    return AutoConfig.for_model(model_type, **data)
+    return build_hf_config(load_model_config(model_config),
+                           missing_type="model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
 
 
 def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
@@ -57,7 +54,8 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     import torch
     import transformers
 
-    from memkit.estimate.traced import auto_class_for, from_config
+    from memkit.estimate.traced import from_config
+    from memkit.spec.hf_config import auto_class_for
 
     torch.manual_seed(seed)
     config = build_config(model_config)

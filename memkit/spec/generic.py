@@ -26,7 +26,7 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
 
 def generic_fields(config: dict, source: str) -> dict:
     """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`."""
-    from memkit.estimate.traced import auto_class_for, block_lists, build_config
+    from memkit.spec.hf_config import auto_class_for, block_lists, build_config
 
     if not _known_to_transformers(config["model_type"]):
         return _remote_code_fields(config, source)
