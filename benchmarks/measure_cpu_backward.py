@@ -4,7 +4,7 @@ like benchmarks/measure_cpu.py and with its models and machinery, into their own
     python benchmarks/measure_cpu_backward.py --out tests/golden/cpu_measurements_backward.json
     python benchmarks/measure_cpu_backward.py --rows llama-fp32-sdpa-lora8-offload --out /tmp/x.json
 
-Activation offload on CPU: memkit.measure.cpu_step runs the runner's OffloadSavedTensors with a
+Activation offload on CPU: memkit.calibrate.cpu_step runs the runner's OffloadSavedTensors with a
 NumpyStore, so the saved tensors leave torch's allocations as they would leave a GPU's; the
 live-tensor peak is what the device would hold, and `offloaded_bytes_per_micro_batch` is what
 the pack hook copied out. The optimizer in backward runs the runner's OptimizerInBackward.

@@ -157,7 +157,7 @@ def run(args, name, model_config, plan, layout, spec, hardware) -> int:
     import torch
     import torch.distributed as dist
 
-    from memkit.measure.cpu_step import build_config
+    from memkit.calibrate.cpu_step import build_config
     from memkit.measure.live_tensors import LiveTensorTracker
 
     cuda = torch.cuda.is_available()

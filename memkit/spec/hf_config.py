@@ -2,7 +2,7 @@
 asked of it before any model is built (which LM auto class, which module lists are the blocks).
 
 Every caller -- the traced estimate (estimate/traced.py), the generic spec (generic.py), the runner
-(train/model.py) and the CPU measurement (measure/cpu_step.py) -- builds through
+(train/model.py) and the CPU measurement (calibrate/cpu_step.py) -- builds through
 `build_hf_config`; each keeps its own one-line error (what it was given and the fix), passed in.
 torch and transformers are imported lazily: config-only commands stay instant.
 """

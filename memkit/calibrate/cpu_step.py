@@ -8,7 +8,7 @@ exist), what was live at that peak split into params / grads / optimizer / other
 temporaries), and the bytes of params, grads and optimizer states measured from the objects.
 
 Single process, plain PyTorch (TrainingPlan.engine == "torch", zero_stage 0). DeepSpeed runs
-are in memkit.measure.deepspeed_step.
+are in memkit.calibrate.deepspeed_step.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         raise MemkitError("--precision fp16 is not measurable on CPU (no fp16 autocast); use bf16")
     if plan.zero_stage != 0 or plan.dp * plan.tp * plan.pp != 1:
         raise MemkitError("measure_training runs one process without ZeRO; use "
-                          "memkit.measure.deepspeed_step for ZeRO / data parallel plans")
+                          "memkit.calibrate.deepspeed_step for ZeRO / data parallel plans")
     if num_steps < 2:
         raise MemkitError(f"--steps {num_steps}: need >= 2 so the last step has optimizer states")
 
