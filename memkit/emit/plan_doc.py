@@ -11,30 +11,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.parallel import engines, split_limits
+from memkit.plan_schema import PLAN_FORMAT_VERSION, versions  # noqa: F401 (the document's format and versions)
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 
-PLAN_FORMAT_VERSION = 1
 DEFAULT_LR = 2e-5
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
-
-
-def versions() -> dict:
-    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
-    out = {}
-    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 # ---- hardware ----------------------------------------------------------------------------------
