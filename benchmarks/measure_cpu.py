@@ -245,6 +245,24 @@ def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900)
     return {**counts, "measured": {"ranks": ranks}}
 
 
+def single_rows_main(argv: list[str] | None, rows: list[dict], *, worker: Path, doc: str,
+                     description: str) -> int:
+    """main() of a script that measures its own single-process rows with this machinery
+    (measure_cpu_arch.py, measure_cpu_backward.py): --out, --rows, --steps, and the worker flag."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--single-worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    SINGLE_ROWS[:] = rows  # the worker looks rows up there
+    if args.single_worker:
+        return _single_worker(args.single_worker, args.steps, args.out)
+    chosen = [r for r in rows if not args.rows or r["id"] in set(args.rows.split(","))]
+    return measure_rows(chosen, rows, args.out, lambda row: run_single(row, args.steps, worker=worker),
+                        description=description)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)

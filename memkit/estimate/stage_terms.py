@@ -68,7 +68,9 @@ class Terms:
     accum_full: bool = False
     """Every gradient is held from the forward on (accumulation, or zero_grad keeping them)."""
     pipe: StageBuffers | None = None
+    """torch.distributed.pipelining's buffers (estimate/pipeline.py)."""
     logits_bytes: int = 0
+    """One micro-batch's logits as a pipeline stage sends them."""
     k_ckpt: int = 0
     """Blocks (the first k) that keep only their inputs and recompute in backward."""
     ckpt_kept: int = 0
@@ -76,17 +78,25 @@ class Terms:
     amp_cache: int = 0
     """Autocast's cached copies live at the end of the forward (all blocks)."""
     fwd_grads: int = 0
+    """Gradients live in the forward of a steady-state micro-batch."""
     first_fwd_grads: int = 0
+    """... of the run's first micro-batch, which holds none yet."""
     landing: int = 0
     """A block's fresh gradients before the engine files them away."""
     dequant: int = 0
     """One linear's dequantised weight, live in its backward."""
     loss_key: str = "logits_and_loss"
+    """The component the loss's bytes are reported under (estimate/techniques.py loss_component)."""
     head: HeadActivations | None = None
+    """The final norm, LM head and loss of one micro-batch."""
     head_saved: int = 0
+    """What the loss saves for backward, every in-flight micro-batch (last stage)."""
     loss_bwd_saved: int = 0
+    """... of it still saved when the loss backward runs."""
     shift_copy: int = 0
+    """transformers < 4.46's shifted fp32 logits copy."""
     embed_saved: int = 0
+    """What the embedding saves, every in-flight micro-batch (first stage)."""
     loss_work: bool = False
     """The loss's work tensors are allocated apart from what it saves (the standard loss)."""
     kept_on_gpu: bool = True
