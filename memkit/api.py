@@ -19,9 +19,7 @@ here downloads, prints or writes files.
 from __future__ import annotations
 
 from memkit.errors import MemkitError
-
-
-from memkit.estimate.entry import estimate, hardware, model_spec  # noqa: E402,F401 (the estimate layer's; re-exported)
+from memkit.estimate.entry import estimate, hardware, model_spec  # noqa: F401 (the estimate layer's; re-exported)
 
 
 def suggest(model, *, global_batch_size: int, seq_len: int, gpu: str | None = None,
