@@ -4,7 +4,7 @@ encoder families (issue #27): per row and per family, the median and worst |erro
     python benchmarks/arch_accuracy.py [--golden tests/golden/cpu_measurements_arch.json] [--rows]
 
 The rows are measured by benchmarks/measure_cpu_arch.py with the project's live-tensor tracker
-(memkit/measure/cpu_step.py); the estimate is estimate_memory(..., device="cpu"), as in
+(memkit/calibrate/cpu_step.py); the estimate is estimate_memory(..., device="cpu"), as in
 tests/unit/test_estimate_measured_arch.py. Accuracy is reported here, never asserted.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
     python benchmarks/measure_cpu.py --out tests/golden/cpu_measurements.json
     python benchmarks/measure_cpu.py --only single --rows llama-fp32-sdpa --out /tmp/x.json
 
-Single-process rows run in this process (memkit.measure.cpu_step); DeepSpeed rows launch
-`python -m torch.distributed.run --nproc_per_node 2 -m memkit.measure.deepspeed_step` (gloo) and
+Single-process rows run in this process (memkit.calibrate.cpu_step); DeepSpeed rows launch
+`python -m torch.distributed.run --nproc_per_node 2 -m memkit.calibrate.deepspeed_step` (gloo) and
 collect one result per rank. Each output row: id, model config, plan, parameter counts, the
 measured figures, and the torch/transformers/deepspeed/peft versions. Existing rows of --out
 with other ids are kept, so a subset can be re-measured.
@@ -211,7 +211,7 @@ def run_single(row: dict, num_steps: int, *, worker: Path = Path(__file__)) -> d
 
 
 def _single_worker(row_id: str, num_steps: int, out: Path) -> int:
-    from memkit.measure.cpu_step import count_params, measure_training
+    from memkit.calibrate.cpu_step import count_params, measure_training
 
     row = next(r for r in SINGLE_ROWS if r["id"] == row_id)
     config = ARCHS[row["arch"]]
@@ -223,7 +223,7 @@ def _single_worker(row_id: str, num_steps: int, out: Path) -> int:
 
 
 def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900) -> dict:
-    from memkit.measure.cpu_step import count_params
+    from memkit.calibrate.cpu_step import count_params
 
     config = ARCHS[row["arch"]]
     counts = count_params(config, row["plan"].with_(engine="torch", dp=1, zero_stage=0,
@@ -233,7 +233,7 @@ def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900)
         (tmp_path / "cfg.json").write_text(json.dumps(config))
         (tmp_path / "plan.json").write_text(json.dumps(row["plan"].to_dict()))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["plan"].dp),
-               "--master_port", str(port), "-m", "memkit.measure.deepspeed_step",
+               "--master_port", str(port), "-m", "memkit.calibrate.deepspeed_step",
                "--model-config", str(tmp_path / "cfg.json"), "--plan", str(tmp_path / "plan.json"),
                "--out", str(tmp_path / "out"), "--steps", str(num_steps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -243,6 +243,24 @@ def run_deepspeed(row: dict, num_steps: int, *, port: int, timeout_s: int = 900)
                                f"{proc.stderr[-6000:]}")
         ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(row["plan"].dp)]
     return {**counts, "measured": {"ranks": ranks}}
+
+
+def single_rows_main(argv: list[str] | None, rows: list[dict], *, worker: Path, doc: str,
+                     description: str) -> int:
+    """main() of a script that measures its own single-process rows with this machinery
+    (measure_cpu_arch.py, measure_cpu_backward.py): --out, --rows, --steps, and the worker flag."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--single-worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    SINGLE_ROWS[:] = rows  # the worker looks rows up there
+    if args.single_worker:
+        return _single_worker(args.single_worker, args.steps, args.out)
+    chosen = [r for r in rows if not args.rows or r["id"] in set(args.rows.split(","))]
+    return measure_rows(chosen, rows, args.out, lambda row: run_single(row, args.steps, worker=worker),
+                        description=description)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ prices them. benchmarks/arch_accuracy.py prints the estimate against these rows.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,32 +21,45 @@ import measure_cpu as base  # noqa: E402  (benchmarks/measure_cpu.py)
 from measure_cpu import _single  # noqa: E402
 
 _IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-ARCHS = {
-    # Jamba: attention every 2nd block (offset 1), MoE every 2nd block; the rest Mamba mixers.
-    # CPU has no mamba_ssm / causal_conv1d: transformers runs JambaMambaMixer.slow_forward.
-    "jamba": {"model_type": "jamba", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 2000, "attn_layer_period": 2,
-              "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
-              "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, **_IDS},
-    "mamba": {"model_type": "mamba", "hidden_size": 256, "num_hidden_layers": 4, "state_size": 16, "expand": 2,
-              "conv_kernel": 4, "vocab_size": 2000, **_IDS},
-    "bart": {"model_type": "bart", "d_model": 256, "encoder_layers": 2, "decoder_layers": 2,
-             "encoder_attention_heads": 8, "decoder_attention_heads": 8, "encoder_ffn_dim": 1024,
-             "decoder_ffn_dim": 1024, "vocab_size": 2000, "max_position_embeddings": 512, "bos_token_id": 0,
-             "eos_token_id": 2, "pad_token_id": 1, "decoder_start_token_id": 2, "forced_eos_token_id": 2},
-    "electra": {"model_type": "electra", "hidden_size": 256, "embedding_size": 128, "num_hidden_layers": 4,
-                "num_attention_heads": 8, "intermediate_size": 1024, "vocab_size": 2000,
-                "max_position_embeddings": 512},
-    "deberta-v2": {"model_type": "deberta-v2", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-                   "intermediate_size": 1024, "vocab_size": 2000, "max_position_embeddings": 512,
-                   "relative_attention": True, "position_buckets": 256, "pos_att_type": ["p2c", "c2p"],
-                   "norm_rel_ebd": "layer_norm", "share_att_key": True, "position_biased_input": False},
-    "distilbert": {"model_type": "distilbert", "dim": 256, "n_layers": 4, "n_heads": 8, "hidden_dim": 1024,
-                   "vocab_size": 2000, "max_position_embeddings": 512},
-    # BERT (hand-modelled as a masked LM, spec/hf.py): its classifiers are counted and traced (--task).
-    "bert": {"model_type": "bert", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-             "intermediate_size": 1024, "vocab_size": 2000, "max_position_embeddings": 512},
-}
+
+
+def arch_configs(*, hidden: int, layers: int, heads: int, ffn: int, jamba_ffn: int, vocab: int, positions: int,
+                 d_state: int, buckets: int, bart_forced_eos: bool = True) -> dict[str, dict]:
+    """Tiny random configs of the state-space, hybrid, encoder-decoder and encoder families, at
+    the given sizes (this script's rows; tests/unit/test_traced_arch.py's smaller traces)."""
+    return {
+        # Jamba: attention every 2nd block (offset 1), MoE every 2nd block; the rest Mamba mixers.
+        # CPU has no mamba_ssm / causal_conv1d: transformers runs JambaMambaMixer.slow_forward.
+        "jamba": {"model_type": "jamba", "hidden_size": hidden, "intermediate_size": jamba_ffn,
+                  "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 2,
+                  "vocab_size": vocab, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                  "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": d_state,
+                  "mamba_d_conv": 4, "mamba_expand": 2, **_IDS},
+        "mamba": {"model_type": "mamba", "hidden_size": hidden, "num_hidden_layers": layers, "state_size": d_state,
+                  "expand": 2, "conv_kernel": 4, "vocab_size": vocab, **_IDS},
+        "bart": {"model_type": "bart", "d_model": hidden, "encoder_layers": 2, "decoder_layers": 2,
+                 "encoder_attention_heads": heads, "decoder_attention_heads": heads, "encoder_ffn_dim": ffn,
+                 "decoder_ffn_dim": ffn, "vocab_size": vocab, "max_position_embeddings": positions,
+                 "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1, "decoder_start_token_id": 2,
+                 **({"forced_eos_token_id": 2} if bart_forced_eos else {})},
+        "electra": {"model_type": "electra", "hidden_size": hidden, "embedding_size": hidden // 2,
+                    "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn,
+                    "vocab_size": vocab, "max_position_embeddings": positions},
+        "deberta-v2": {"model_type": "deberta-v2", "hidden_size": hidden, "num_hidden_layers": layers,
+                       "num_attention_heads": heads, "intermediate_size": ffn, "vocab_size": vocab,
+                       "max_position_embeddings": positions, "relative_attention": True, "position_buckets": buckets,
+                       "pos_att_type": ["p2c", "c2p"], "norm_rel_ebd": "layer_norm", "share_att_key": True,
+                       "position_biased_input": False},
+        "distilbert": {"model_type": "distilbert", "dim": hidden, "n_layers": layers, "n_heads": heads,
+                       "hidden_dim": ffn, "vocab_size": vocab, "max_position_embeddings": positions},
+    }
+
+
+ARCHS = arch_configs(hidden=256, layers=4, heads=8, ffn=1024, jamba_ffn=688, vocab=2000, positions=512, d_state=16,
+                     buckets=256)
+# BERT (hand-modelled as a masked LM, spec/hf.py): only its classifiers are measured here (--task).
+ARCHS["bert"] = {"model_type": "bert", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+                 "intermediate_size": 1024, "vocab_size": 2000, "max_position_embeddings": 512}
 # peft refuses out_proj and conv1d for model_type mamba (not for jamba).
 LORA = {"jamba": ("q_proj", "v_proj", "in_proj", "out_proj"), "mamba": ("in_proj", "x_proj"),
         "bart": ("q_proj", "v_proj"), "electra": ("query", "value"), "deberta-v2": ("query_proj", "value_proj"),
@@ -86,22 +98,13 @@ ROWS += [
 ]
 
 
+GOLDEN_DESCRIPTION = ("Peak live-tensor bytes of real CPU training steps of state-space, hybrid, encoder-decoder and "
+                      "encoder families; generated by benchmarks/measure_cpu_arch.py")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--single-worker", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
     base.ARCHS.update(ARCHS)
-    base.SINGLE_ROWS[:] = ROWS  # measure_cpu's worker looks rows up there
-    if args.single_worker:
-        return base._single_worker(args.single_worker, args.steps, args.out)
-    rows = [r for r in ROWS if not args.rows or r["id"] in set(args.rows.split(","))]
-    return base.measure_rows(rows, ROWS, args.out, lambda row: base.run_single(row, args.steps, worker=Path(__file__)),
-                             description="Peak live-tensor bytes of real CPU training steps of state-space, "
-                                         "hybrid, encoder-decoder and encoder families; generated by "
-                                         "benchmarks/measure_cpu_arch.py")
+    return base.single_rows_main(argv, ROWS, worker=Path(__file__), doc=__doc__, description=GOLDEN_DESCRIPTION)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from memkit.calibration import Outcome, cases_for_record, framework_coverage, score, summarize
+from memkit.calibrate.published_memory import Outcome, cases_for_record, framework_coverage, score, summarize
 from memkit.estimate.bounds import QUANTILE_LABEL
 from memkit.units import GIB
 

@@ -12,7 +12,7 @@ per source, the quantiles computed WITHOUT that source's rows: benchmarks/memory
 them for an honest (leave-one-source-out) coverage figure. memkit's estimate has no fitted
 constant, so the residuals themselves need no refit per fold; only the quantile is estimated.
 The quantile is chosen by memkit.estimate.bounds.choose_quantile (the smallest candidate whose
-leave-one-framework-out coverage -- memkit.calibration.framework_of -- reaches TARGET_COVERAGE);
+leave-one-framework-out coverage -- memkit.calibrate.published_memory.framework_of -- reaches TARGET_COVERAGE);
 the pooled and worst-fold coverage of every candidate is printed.
 `--check` exits 1 when the checked-in file differs from what the data gives.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_accuracy import DEFAULT_CALIBRATION, published_outcomes  # noqa: E402
 
-from memkit.calibration import framework_of  # noqa: E402
+from memkit.calibrate.published_memory import framework_of  # noqa: E402
 from memkit.estimate.bounds import (QUANTILE_GRID, TARGET_COVERAGE, choose_quantile,  # noqa: E402
                                     figure_kind, loso_coverage, pooled_margins, worst_fold)
 
@@ -52,7 +52,7 @@ def render(rows) -> str:
              f"QUANTILE of measured/predicted - 1 per figure kind over {len(rows)} published GPU runs, the",
              f"smallest candidate whose leave-one-framework-out coverage reaches {TARGET_COVERAGE:.0%} (pooled it covers "
              f"{cov:.1%};", f"its worst fold, {worst}, {worst_cov:.1%}); LEAVE_ONE_SOURCE_OUT[s] / LEAVE_ONE_FRAMEWORK_OUT[f]: "
-             "the same, computed", 'without source s / framework f (memkit.calibration.framework_of)."""',
+             "the same, computed", 'without source s / framework f (memkit.calibrate.published_memory.framework_of)."""',
              f"NUM_ROWS = {len(rows)}",
              f"QUANTILE = {q!r}",
              f"LOSO_COVERAGE = {round(loso_coverage(rows, q), 4)!r}",

@@ -23,7 +23,7 @@ def node_peaks(row: dict, num_steps: int = 2) -> list[tuple[str, int, int]]:
     """(node name, live bytes before it, peak bytes while it ran) for the last step's backward."""
     import torch
 
-    from memkit.measure.cpu_step import build_model, build_optimizer, random_batch
+    from memkit.calibrate.cpu_step import build_model, build_optimizer, random_batch
     from memkit.measure.live_tensors import LiveTensorTracker
     from memkit.plan import TrainingPlan
     from memkit.train.backward_techniques import NumpyStore, OffloadSavedTensors

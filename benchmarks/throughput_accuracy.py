@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memkit.calibration_throughput import map_record, ranked_pairs, score, summarize  # noqa: E402
+from memkit.calibrate.published_throughput import map_record, ranked_pairs, score, summarize  # noqa: E402
 from memkit.presets_dir import presets_dir  # noqa: E402
 
 HOLDOUT_DATA = ROOT / "benchmarks" / "data" / "holdout_throughput.jsonl"

@@ -71,8 +71,9 @@ def load_model_config(args) -> tuple[str, dict]:
 def make_plan(args, world_size: int) -> TrainingPlan:
     base: dict = {}
     if args.plan:
-        data = json.loads(Path(args.plan).read_text())
-        base = dict(data.get("plan", data))
+        from memkit.emit.plan_doc import read_plan_fields
+
+        base = read_plan_fields(args.plan)
     flags = {k: v for k, v in knob_values(args, "launch").items() if v is not None}
     base.update(flags)
     base.setdefault("precision", "fp32")
@@ -142,7 +143,7 @@ def run(args, name, model_config, plan, layout, spec, hardware) -> int:
     import torch
     import torch.distributed as dist
 
-    from memkit.measure.cpu_step import build_config
+    from memkit.calibrate.cpu_step import build_config
     from memkit.measure.live_tensors import LiveTensorTracker
 
     cuda = torch.cuda.is_available()

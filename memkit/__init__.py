@@ -8,7 +8,7 @@ Python API (memkit/api.py; imported on first use, so `import memkit` stays insta
     memkit.MemkitCallback(path, prediction=...)     HF TrainerCallback: measured vs predicted
 
 `memkit.estimate` is also the estimator package (memkit/estimate/); calling it calls
-memkit.api.estimate (see memkit/estimate/__init__.py).
+memkit.api.estimate (memkit/estimate/entry.py; see memkit/estimate/__init__.py).
 """
 
 __version__ = "0.1.0"

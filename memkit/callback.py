@@ -251,7 +251,9 @@ def _predicted(prediction, plan_json) -> dict:
     if prediction is not None and plan_json is not None:
         raise ValueError("give prediction or plan_json, not both")
     if plan_json is not None:
-        return predicted_figures(json.loads(Path(plan_json).read_text()))
+        from memkit.emit import plan_doc
+
+        return predicted_figures(plan_doc.read(plan_json, flag="plan_json").data)
     if prediction is None:
         return {}
     figures = prediction.to_dict() if hasattr(prediction, "to_dict") else dict(prediction)

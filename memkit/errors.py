@@ -1,4 +1,4 @@
-"""memkit's one error family. The CLI turns each into one line and its exit code (STYLE.md)."""
+"""memkit's one error family. The CLI turns each into one line and its exit code (memkit/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 

@@ -6,7 +6,7 @@ damaged file. Pure: raises MemkitError (one line: where, the field, the value, t
 The schema is data (PLAN_FIELDS, SECTIONS), so tests/unit/test_bad_input_matrix.py generates its
 mutations from it: every field x wrong type / out of range / missing.
 
-Format versions: 1 is what `memkit suggest --out` writes (memkit.emit.plan_doc.PLAN_FORMAT_VERSION).
+Format versions: 1 is what `memkit suggest --out` writes (PLAN_FORMAT_VERSION below).
 A document without "format_version" is the previous layout (memkit before the plan document had
 a version, and hand-written files): `migrate` reads it as version 1 (a "model" object becomes its
 name; hardware, estimate and step_time are not required). A newer version is refused with the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
+from importlib import metadata
 
 from memkit.errors import MemkitError
 
@@ -164,10 +165,22 @@ def check_plan_fields(data, *, where: str) -> None:
         raise MemkitError(f"{where}: plan.lora_targets is empty with lora_rank {data['lora_rank']}; {FIX}")
 
 
+PLAN_FORMAT_VERSION = 1
+
+
+def versions() -> dict:
+    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
+    out = {}
+    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def check_format(doc: dict, *, where: str) -> int:
     """The document's format version, or one line saying who wrote it and what this memkit reads."""
-    from memkit.emit.plan_doc import PLAN_FORMAT_VERSION, versions
-
     if "format_version" not in doc:
         return 0
     version = doc["format_version"]

@@ -1,4 +1,4 @@
-"""Byte units. The one place that owns 1024**3 (STYLE.md, Conventions)."""
+"""Byte units. The one place that owns 1024**3 (memkit/ARCHITECTURE.md, "Conventions")."""
 from __future__ import annotations
 
 import re

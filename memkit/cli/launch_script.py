@@ -27,7 +27,7 @@ import stat
 import sys
 from pathlib import Path
 
-from memkit.cli.supervise import TORCHELASTIC_SIGNALS
+from memkit.train.supervise import TORCHELASTIC_SIGNALS
 from memkit.errors import MemkitError
 
 HELP = "write a Slurm or hostfile script that starts accelerate launch on every node of a plan"
@@ -209,7 +209,7 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         ALLOC_LINE,
         'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MEMKIT_MASTER_PORT={port}",
-        # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.cli.supervise.launcher_env).
+        # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.train.supervise.launcher_env).
         f'export TORCHELASTIC_SIGNALS_TO_HANDLE="${{TORCHELASTIC_SIGNALS_TO_HANDLE:-{TORCHELASTIC_SIGNALS}}}"',
         _args_array(finetune_args),
         "REQUEUE=0",

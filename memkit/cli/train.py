@@ -20,7 +20,7 @@ import sys
 
 from memkit.cli.launching import (accelerate_config_for, child_env, launch_command, launchable_config, quote,
                                   to_argv)
-from memkit.cli.supervise import SHUTDOWN_MARGIN_S, Supervisor, launcher_env
+from memkit.train.supervise import SHUTDOWN_MARGIN_S, Supervisor, launcher_env
 
 HELP = "fine-tune under a plan: accelerate launch -m memkit.finetune with the plan's config"
 
@@ -135,7 +135,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"memkit train: {quote(cmd)}", file=sys.stderr)
         sys.stderr.flush()
         # SIGTERM (a scheduler's preemption) / SIGINT / SIGUSR1 go to the launcher, which relays them to
-        # the ranks; they checkpoint and stop; memkit then exits 143 / 130 / 138 (memkit.cli.supervise).
+        # the ranks; they checkpoint and stop; memkit then exits 143 / 130 / 138 (memkit.train.supervise).
         grace = args.preempt_grace
         status, code = Supervisor(cmd, env=launcher_env(child_env(), preempt_grace_s=grace),
                                   grace_s=grace + 2 * SHUTDOWN_MARGIN_S, stderr_reader=errors).run()

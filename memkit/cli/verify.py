@@ -130,8 +130,8 @@ def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
 
 
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
-    """Run the launch; SIGTERM/SIGINT stop the launcher and its ranks (memkit.cli.supervise)."""
-    from memkit.cli.supervise import Supervisor
+    """Run the launch; SIGTERM/SIGINT stop the launcher and its ranks (memkit.train.supervise)."""
+    from memkit.train.supervise import Supervisor
 
     with open(log_path, "w") as log:
         return Supervisor(cmd, env=child_env(), stdout=log, grace_s=30.0).run(timeout_s=timeout_s)

@@ -21,7 +21,7 @@ from memkit.plan import DEFAULT_LR, TrainingPlan
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 SGD_MOMENTUM = 0.9
-"""Matches the optimizer memkit measures and prices (memkit/measure/cpu_step.py)."""
+"""Matches the optimizer memkit measures and prices (memkit/calibrate/cpu_step.py)."""
 NVME_PARAM_BUFFER_ELEMENTS = 100_000_000
 """DeepSpeed's offload_param.buffer_size default; it must hold the largest parameter."""
 

@@ -11,29 +11,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
 from memkit.parallel import engines, split_limits
+from memkit.plan_schema import PLAN_FORMAT_VERSION, versions  # noqa: F401 (the document's format and versions)
 from memkit.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
-
-PLAN_FORMAT_VERSION = 1
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
-
-
-def versions() -> dict:
-    """Installed versions of what the bundle was made for (importlib.metadata: no imports)."""
-    out = {}
-    for dist in ("memkit", "deepspeed", "accelerate", "torch", "transformers", "peft"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 # ---- hardware ----------------------------------------------------------------------------------
@@ -224,11 +211,27 @@ def check(doc, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocum
 def read(path_text: str | Path, *, flag: str = "--plan", require: tuple[str, ...] = ("plan",)) -> PlanDocument:
     """Read and check plan.json at `path_text` (or in that folder); OS, decoding and JSON errors
     are one line (memkit.fileio)."""
+    path, doc = _read_json(path_text, flag)
+    checked = check(doc, where=f"{flag} {path}" if flag else str(path), require=require)
+    return PlanDocument(checked.data, path)
+
+
+def read_plan_fields(path_text: str | Path, *, flag: str = "--plan") -> dict:
+    """The plan fields of a plan.json as written: a bundle's (checked as `read` checks it) or a
+    bare TrainingPlan dict (the launch harness's hand-written plans, checked by the caller's
+    TrainingPlan.from_dict)."""
+    path, doc = _read_json(path_text, flag)
+    if isinstance(doc, dict) and "plan" not in doc:
+        return dict(doc)
+    return dict(check(doc, where=f"{flag} {path}" if flag else str(path)).data["plan"])
+
+
+def _read_json(path_text: str | Path, flag: str):
+    """(the path, its parsed JSON): plan.json at `path_text` or in that folder; OS, decoding and
+    JSON errors are one line (memkit.fileio)."""
     from memkit.fileio import read_json
 
     path = Path(path_text)
     if path.is_dir():
         path = path / "plan.json"
-    doc = read_json(path, what=flag, fix="`memkit suggest --out DIR` writes DIR/plan.json")
-    checked = check(doc, where=f"{flag} {path}" if flag else str(path), require=require)
-    return PlanDocument(checked.data, path)
+    return path, read_json(path, what=flag, fix="`memkit suggest --out DIR` writes DIR/plan.json")

@@ -102,7 +102,7 @@ def worst_fold(rows, q: float, group_of=None) -> tuple[str, float]:
 def choose_quantile(rows, group_of=None) -> tuple[float, float]:
     """(quantile, its pooled held-out coverage): the smallest candidate reaching the target, each
     source left out in turn, or with `group_of` each framework (benchmarks/memory_residuals.py
-    passes memkit.calibration.framework_of: a framework's sources share its failure modes)."""
+    passes memkit.calibrate.published_memory.framework_of: a framework's sources share its failure modes)."""
     for q in QUANTILE_GRID:
         if (cov := loso_coverage(rows, q, group_of)) >= TARGET_COVERAGE:
             return q, cov

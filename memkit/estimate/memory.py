@@ -22,27 +22,23 @@ import math
 from dataclasses import replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations, head_logits, head_weight_elements, numerics
+from memkit.estimate.activations import block_activations, head_logits, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
-from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
-from memkit.estimate.backward_techniques import (autocast_copy_bytes, offloaded_activation_bytes, offloads_activations,
-                                                 largest_autocast_copy_bytes, offloaded_loss_backward_saved,
-                                                 one_gradient_states)
+from memkit.estimate.backward_techniques import offloaded_activation_bytes
 from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
-from memkit.estimate.quantized import base_bytes, dequantized_weight_bytes
 from memkit.estimate.result import MemoryEstimate
+from memkit.estimate.stage_terms import StageContext, Terms, in_flight, stage_terms
 from memkit.estimate.states import RankParams, model_states
-from memkit.estimate.techniques import (head_grad_lands_early, loss_activations, loss_component,
-                                       selective_kept_bytes)
+from memkit.estimate.techniques import head_grad_lands_early, loss_component
 from memkit.parallel import check_degrees, stage_layers
 from memkit.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.generic import task_spec
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES, Stack, behaviour
-from memkit.techniques import checkpointed_blocks, partial_blocks_error
+from memkit.techniques import partial_blocks_error
 from memkit.units import GIB
 
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
@@ -123,21 +119,11 @@ def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     cache: dict[tuple, MemoryEstimate] = {}
     out = []
     for k in range(plan.pp):
-        key = (counts[k], _in_flight(plan, k), k == 0, k == plan.pp - 1)
+        key = (counts[k], in_flight(plan, k), k == 0, k == plan.pp - 1)
         if key not in cache:
             cache[key] = _stage(model, plan, hardware, k, device, stack, capacity_bytes)
         out.append(cache[key])
     return out
-
-
-def _in_flight(plan: TrainingPlan, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once: 1F1B stage k holds pp-k, GPipe
-    all of them (Narayanan et al. 2021, Sec. 2.2; Huang et al. 2019, Sec. 2.3)."""
-    if plan.pp == 1:
-        return 1
-    if plan.pp_schedule == "gpipe":
-        return plan.grad_accum
-    return min(plan.pp - stage, plan.grad_accum)
 
 
 def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankParams:
@@ -200,172 +186,20 @@ def _small_params(model: ModelSpec) -> int:
 def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
            stack: Stack | None = None, capacity_bytes: int | None = None,
            trace: dict | None = None) -> MemoryEstimate:
-    """One stage's estimate. `trace`, when given, receives the replay's inputs (timeline, chunks,
-    streams, the bytes outside the allocator, and the slice of the timeline that is one
-    steady-state step) for estimate/varlen.py, which strings steps of several shapes together."""
+    """One stage's estimate: each technique sets its terms (estimate/stage_terms.py), the phase
+    walk adds them up, the replay prices the allocator. `trace`, when given, receives the replay's
+    inputs (timeline, chunks, streams, the bytes outside the allocator, and the slice of the
+    timeline that is one steady-state step) for estimate/varlen.py, which strings steps of several
+    shapes together."""
     habits = behaviour(stack)
     rp = rank_params(model, plan, stage)
-    st = model_states(plan, rp, device=device)
-    quantized = base_bytes(model, plan, rp.num_params) if plan.is_quantized else {}  # estimate/quantized.py
-    if quantized:
-        st.weights = quantized.pop("weights")
-    st = one_gradient_states(st, model, plan)  # --optimizer-in-backward
-    if not habits.foreach_optimizer and plan.engine == "torch" and plan.optimizer == "adamw":
-        # torch < 2.0 loops over parameters: one parameter's sqrt temporary at a time (spec/stack.py)
-        st.step_transient = min(st.step_transient, rp.largest_tensor * (2 if plan.precision == "bf16-pure" else 4))
-    num = numerics(plan)
-    first, last = stage == 0, stage == plan.pp - 1
-    n_layers = stage_layers(model.total_layers, plan.pp)[stage]
-
-    # -- activations of one micro-batch -------------------------------------------------------
-    blk = block_activations(model, plan, device=device)
-    head = loss_activations(model, plan, device=device)  # estimate/techniques.py: the plan's loss
-    per_layer = blk.saved_bytes
-    autocast_copy = head_copy = 0
-    if num.autocast:
-        autocast_copy = autocast_copy_bytes(model, plan)  # the cached 16-bit weight copies
-        head_copy = num.autocast * head_weight_elements(model, plan) if last and plan.loss == "standard" else 0
-    if plan.is_quantized:  # 4-bit bases run bitsandbytes' matmul, which autocast does not cast (tape.py)
-        autocast_copy = 0
-    # LoRA adapters are fp32 leaves that require grad (peft autocast_adapter_dtype=True), so autocast
-    # caches their low-dtype copies (aten/src/ATen/autocast_mode.cpp, cached_cast: leaf with
-    # requires_grad) and the adapter matmuls save them for the input's grad, like the bases' copies.
-    adapter_copy = (num.autocast * model.lora_params(plan.lora_rank, plan.lora_targets) // model.total_layers
-                    if num.autocast and plan.is_lora else 0)
-    autocast_copy += adapter_copy
-    in_flight = _in_flight(plan, stage)
-    # The first k blocks keep only their inputs (memkit/techniques.py: which blocks and why), plus
-    # under selective checkpointing their matmul / attention outputs (estimate/techniques.py).
-    k_ckpt = checkpointed_blocks(plan.checkpointing, n_layers)
-    ckpt = k_ckpt > 0
-    full_block = per_layer + autocast_copy
-    ckpt_kept = blk.input_bytes + (selective_kept_bytes(model, plan) if plan.checkpointing == "selective" else 0)
-
-    # Hybrid stacks (Jamba: Mamba and attention blocks) give each block's own saved bytes and
-    # backward temporaries (estimate/activations.py BlockActivations.layers); others, the mean.
-    layers = blk.layers if len(blk.layers) == n_layers else ()
-
-    def kept_one(j: int) -> int:  # bytes kept by blocks 0..j-1 of one micro-batch
-        if layers and j <= n_layers:
-            return min(j, k_ckpt) * ckpt_kept + sum(saved + autocast_copy for saved, _t in layers[k_ckpt:j])
-        return min(j, k_ckpt) * ckpt_kept + max(0, j - k_ckpt) * full_block
-
-    def kept_below(j: int) -> int:  # ... of every in-flight micro-batch
-        return kept_one(j) * in_flight
-
-    # --offload-activations cpu (estimate/backward_techniques.py): saved activations live on the
-    # host; the GPU holds the block being run (forward) or differentiated (backward) only.
-    offload = offloads_activations(plan)
-    on_gpu_below = (lambda j: 0) if offload else kept_below
-
-    # -- gradients as they land ----------------------------------------------------------------
-    # From the 2nd micro-batch on, all gradients are held -- except in a pipeline, where GPipe
-    # runs every forward before any backward and 1F1B does so while m <= pp.
-    if plan.pp > 1:
-        accum_full = plan.pp_schedule == "1f1b" and plan.grad_accum > plan.pp
-    else:
-        accum_full = plan.grad_accum > 1
-    if habits.grads_kept_between_steps and plan.engine == "torch":
-        # zero_grad() zero-fills instead of freeing (spec/stack.py): the previous step's gradients
-        # are live from the forward on. DeepSpeed's optimizers free theirs (deepspeed/runtime/fp16/
-        # fused_optimizer.py, unfused_optimizer.py, zero/stage_1_and_2.py: zero_grad(set_to_none=True)).
-        accum_full = True
-    grads_end = st.gradients
-    gather = st.gather_transient
-
-    def grads_after(num_layers_done: int, held: bool = accum_full) -> int:
-        if not st.gradients_grow or held or grads_end == 0:
-            return grads_end
-        share = grads_end / rp.num_trainable if rp.num_trainable else 0
-        landed = rp.head_trainable * last + num_layers_done * rp.layer_trainable
-        return int(min(rp.num_trainable, landed) * share)
-
-    # -- moments: each is a breakdown of what is live; a phase's peak is its largest moment ------
-    base = {"weights": st.weights, "master_weights": st.master_weights,
-            "optimizer_states": st.optimizer_states}
-    prefix = "deepspeed_" if plan.engine == "deepspeed" else ""
-    base.update({prefix + name: value for name, value in st.buffers.items()})
-    # A pipeline's last stage computes each in-flight micro-batch's loss in its forward.
-    head_saved = (head.saved_bytes + head_copy) * in_flight if last else 0
-    offloaded_loss = offloaded_loss_backward_saved(model, plan)  # log-probs only, under offload
-    loss_bwd_saved = head_saved if offloaded_loss is None else (offloaded_loss * in_flight if last else 0)
-    # Receive buffers, stage outputs and pending sends of torch.distributed.pipelining (pipeline.py).
-    logits_bytes = stage_logits_bytes(plan, vocab_size=model.vocab_size, itemsize=num.autocast or num.weight_itemsize)
-    pipe = stage_buffers(plan, stage, in_flight=in_flight, boundary_bytes=blk.input_bytes, logits_bytes=logits_bytes)
-    base["pipeline_buffers"] = pipe.held_bytes
-    base.update(quantized)  # weights_4bit, quant_state
-    if device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
-        base.update({f"offloaded_{name}": value for name, value in st.host.items()})
-    in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
-    in_reduction = {prefix + name: value for name, value in st.reduction_buffers.items()}
-    # ZeRO-2 allocates its gradient partition at the first reduction and frees it after the step.
-    grads_outside_backward = grads_end if not st.backward_buffers else 0
-    first_fwd_grads = 0 if st.gradients_grow else grads_outside_backward  # a micro-batch with none held
-    fwd_grads = grads_end if accum_full else first_fwd_grads
-    embed_saved = head.embedding_bytes * in_flight if first else 0
-    # Autocast caches only leaves that require grad: frozen LoRA bases are cast per call instead.
-    amp_cache = (adapter_copy if plan.is_lora else autocast_copy) * k_ckpt if (num.autocast and ckpt) else 0
-    landing = _landing(rp, st, plan, model)
-    dequant = dequantized_weight_bytes(model, plan) if plan.is_quantized else 0  # one linear's, in backward
-    if offload and num.autocast and not plan.is_lora:  # the cache stays on the GPU for the forward
-        amp_cache = autocast_copy * n_layers
-    if plan.optimizer_in_backward:  # the hook steps and frees each gradient as it lands
-        fwd_grads, landing = 0, st.step_transient  # + one parameter's step temporaries
-
-    phases: dict[str, dict[str, int]] = {}
-    phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
-                      "zero3_gathered_params": gather, **quantized}
-    # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py).
-    shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
-                  if (habits.shifted_logits_copy and last and model.kind == "decoder"
-                      and plan.loss == "standard") else 0)
-    phases["forward"] = {**base, "gradients": fwd_grads, "activations": on_gpu_below(n_layers) + embed_saved,
-                         "autocast_weight_copies": amp_cache,
-                         loss_component(plan): head_saved + (head.forward_peak_bytes + shift_copy if last else 0),
-                         "pipeline_logits": pipe.forward_logits_bytes, "zero3_gathered_params": gather}
-    moments = []
-    first_grads = []  # the same moments' gradients in the run's first micro-batch (none held yet)
-    if last:  # the loss backward, with every block's activations still saved
-        first_grads.append(grads_after(0, held=False) if head_grad_lands_early(plan) else first_fwd_grads)
-        moments.append({**base, "gradients": grads_after(0) if head_grad_lands_early(plan) else fwd_grads,
-                        "activations": on_gpu_below(n_layers) + embed_saved,
-                        loss_component(plan): loss_bwd_saved + head.backward_peak_bytes,
-                        "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
-    for j in range(n_layers - 1, -1, -1):  # block j's backward, blocks above it done
-        # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
-        # with activation offload the blocks below live on the host
-        remaining = (0 if offload else kept_one(j) + (in_flight - 1) * kept_one(n_layers)) + embed_saved
-        transient = layers[j][1] if layers else blk.backward_transient_bytes
-        if j < k_ckpt:  # recompute block j: its activations (and autocast copies) come back
-            current = (layers[j][0] if layers else per_layer) + autocast_copy + blk.input_bytes
-        elif offload and blk.offloaded_backward_bytes is not None:
-            # each node's saved tensors come back when it runs and go when it returns: the widest
-            # node's, with the gradients in flight (estimate/activations.py), and one weight copy
-            current, transient = 0, blk.offloaded_backward_bytes + largest_autocast_copy_bytes(model, plan)
-        else:
-            current = layers[j][0] + autocast_copy if layers else full_block
-        if j < k_ckpt and blk.recompute_transient_bytes:
-            # The recompute's last moments, before block j's backward starts: its whole tape, the
-            # grad of its output, and the unsaved tensors at its widest LoRA'd linear
-            # (torch/utils/checkpoint.py reruns the forward when backward first unpacks a saved tensor).
-            first_grads.append(grads_after(n_layers - 1 - j, held=False))
-            moments.append({**base, **in_backward, "gradients": grads_after(n_layers - 1 - j),
-                            "activations": remaining + current,
-                            "recompute_temporaries": blk.recompute_transient_bytes + blk.input_bytes,
-                            "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
-        first_grads.append(grads_after(n_layers - 1 - j, held=False))
-        moments.append({**base, **in_backward, **in_reduction, "gradients": grads_after(n_layers - 1 - j),
-                        "activations": remaining + current,
-                        "backward_temporaries": transient + landing
-                        - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
-                        "dequantized_weight": dequant,
-                        "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
-    phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
-    phases["optimizer_step"] = {**base, **in_backward, "gradients": grads_end,
-                                "optimizer_step_temporaries": st.step_transient}
-    phases["checkpoint_save"] = {**base, "zero3_gathered_params":
-                                 rp.largest_module * (4 if plan.precision == "fp32" else 2)
-                                 if plan.zero_stage == 3 else 0}
+    c = StageContext(model=model, plan=plan, hardware=hardware, stage=stage, device=device, habits=habits,
+                     rp=rp, num=numerics(plan), first=stage == 0, last=stage == plan.pp - 1,
+                     n_layers=stage_layers(model.total_layers, plan.pp)[stage],
+                     blk=block_activations(model, plan, device=device))
+    t, technique_notes = stage_terms(c, model_states(plan, rp, device=device))
+    walk = _PhaseWalk(c, t)
+    phases, moments, first_grads = walk.phases()
     cuda = device == "cuda"
     workspace = cublas_workspace_bytes(hardware.gpu) if cuda else 0
     if workspace:  # allocated through the caching allocator at the first matmul, kept for the run
@@ -375,12 +209,146 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(PHASES, key=lambda p: totals[p])
     components = {k: int(v) for k, v in phases[peak_phase].items() if v}
+    stats, outside = _replayed(walk, phases, moments, first_grads, capacity_bytes, trace)
+    allocated = max(stats.allocated_peak_bytes, totals[peak_phase])
+    reserved = max(stats.reserved_peak_bytes, allocated)
+    if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
+        components["allocator_rounding"] = allocated - totals[peak_phase]
+    st = t.st
+    host = _host_bytes(model, plan, hardware, st) + (
+        offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
+    lora = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else 0
+    return MemoryEstimate(
+        allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
+        nvidia_smi_peak_bytes=int(reserved + outside),
+        device_total_bytes=hardware.gpu.memory_bytes,
+        num_params=model.num_params + lora, num_trainable_params=lora if plan.is_lora else model.num_params,
+        peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
+        host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
+        notes=tuple([*habits.notes, *technique_notes]))
 
-    # -- the steady-state step replayed through the allocator ------------------------------------
-    after_step = {**phases["optimizer_step"], "gradients": fwd_grads, "optimizer_step_temporaries": 0}
-    fwd_walk = [{**phases["forward"], loss_component(plan): 0,
-                 "activations": on_gpu_below(k) + embed_saved + (per_layer if offload and k < n_layers else 0),
-                 "autocast_weight_copies": amp_cache * k // max(1, n_layers)}
+
+class _PhaseWalk:
+    """The moments of one stage's step, each a breakdown of what is live, from the techniques'
+    terms; a phase's peak is its largest moment."""
+
+    def __init__(self, c: StageContext, t: Terms):
+        self.c, self.t = c, t
+        blk, n_layers = c.blk, c.n_layers
+        # Hybrid stacks (Jamba: Mamba and attention blocks) give each block's own saved bytes and
+        # backward temporaries (estimate/activations.py BlockActivations.layers); others, the mean.
+        self.layers = blk.layers if len(blk.layers) == n_layers else ()
+        self.full_block = blk.saved_bytes + t.autocast_copy
+        st = t.st
+        self.base = {"weights": st.weights, "master_weights": st.master_weights,
+                     "optimizer_states": st.optimizer_states}
+        prefix = "deepspeed_" if c.plan.engine == "deepspeed" else ""
+        self.base.update({prefix + name: value for name, value in st.buffers.items()})
+        self.base["pipeline_buffers"] = t.pipe.held_bytes
+        self.base.update(t.quantized)  # weights_4bit, quant_state
+        if c.device == "cpu":  # a CPU run "offloads" into the same memory the tracker measures
+            self.base.update({f"offloaded_{name}": value for name, value in st.host.items()})
+        self.in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
+        self.in_reduction = {prefix + name: value for name, value in st.reduction_buffers.items()}
+
+    def kept_one(self, j: int) -> int:
+        """Bytes kept by blocks 0..j-1 of one micro-batch: the first k_ckpt keep only their inputs
+        (plus, under selective checkpointing, their matmul / attention outputs)."""
+        t, layers = self.t, self.layers
+        if layers and j <= self.c.n_layers:
+            return min(j, t.k_ckpt) * t.ckpt_kept + sum(saved + t.autocast_copy for saved, _t in layers[t.k_ckpt:j])
+        return min(j, t.k_ckpt) * t.ckpt_kept + max(0, j - t.k_ckpt) * self.full_block
+
+    def on_gpu_below(self, j: int) -> int:
+        """... of every in-flight micro-batch, on the GPU."""
+        return self.kept_one(j) * self.t.in_flight if self.t.kept_on_gpu else 0
+
+    def grads_after(self, num_layers_done: int, held: bool | None = None) -> int:
+        """Gradients live once the loss and `num_layers_done` blocks have run their backward."""
+        t, rp = self.t, self.c.rp
+        grads_end = t.st.gradients
+        if not t.st.gradients_grow or (t.accum_full if held is None else held) or grads_end == 0:
+            return grads_end
+        share = grads_end / rp.num_trainable if rp.num_trainable else 0
+        landed = rp.head_trainable * self.c.last + num_layers_done * rp.layer_trainable
+        return int(min(rp.num_trainable, landed) * share)
+
+    def phases(self) -> tuple[dict[str, dict[str, int]], list[dict[str, int]], list[int]]:
+        """(each phase's peak breakdown, the backward's moments, their gradients in the run's first
+        micro-batch, which holds none yet)."""
+        c, t, base = self.c, self.t, self.base
+        st, gather, head, pipe = t.st, t.st.gather_transient, t.head, t.pipe
+        phases: dict[str, dict[str, int]] = {}
+        phases["init"] = {"weights": st.weights, "master_weights": st.master_weights,
+                          "zero3_gathered_params": gather, **t.quantized}
+        phases["forward"] = {**base, "gradients": t.fwd_grads,
+                             "activations": self.on_gpu_below(c.n_layers) + t.embed_saved,
+                             "autocast_weight_copies": t.amp_cache,
+                             t.loss_key: t.head_saved + (head.forward_peak_bytes + t.shift_copy if c.last else 0),
+                             "pipeline_logits": pipe.forward_logits_bytes, "zero3_gathered_params": gather}
+        moments, first_grads = [], []
+        if c.last:  # the loss backward, with every block's activations still saved
+            early = head_grad_lands_early(c.plan)
+            first_grads.append(self.grads_after(0, held=False) if early else t.first_fwd_grads)
+            moments.append({**base, "gradients": self.grads_after(0) if early else t.fwd_grads,
+                            "activations": self.on_gpu_below(c.n_layers) + t.embed_saved,
+                            t.loss_key: t.loss_bwd_saved + head.backward_peak_bytes,
+                            "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
+        for j in range(c.n_layers - 1, -1, -1):  # block j's backward, blocks above it done
+            self._block_backward(j, moments, first_grads)
+        phases["backward"] = max(moments, key=lambda m: sum(m.values())) if moments else {}
+        phases["optimizer_step"] = {**base, **self.in_backward, "gradients": st.gradients,
+                                    "optimizer_step_temporaries": st.step_transient}
+        phases["checkpoint_save"] = {**base, "zero3_gathered_params":
+                                     c.rp.largest_module * (4 if c.plan.precision == "fp32" else 2)
+                                     if c.plan.zero_stage == 3 else 0}
+        return phases, moments, first_grads
+
+    def _block_backward(self, j: int, moments: list, first_grads: list) -> None:
+        """Block j's backward moments (its recompute's, when checkpointed, then its own)."""
+        c, t, blk, layers = self.c, self.t, self.c.blk, self.layers
+        n_layers, gather, pipe = c.n_layers, t.st.gather_transient, t.pipe
+        # the other in-flight micro-batches keep all their blocks (a pipeline stage's later forwards);
+        # with activation offload the blocks below live on the host
+        remaining = (self.kept_one(j) + (t.in_flight - 1) * self.kept_one(n_layers) if t.kept_on_gpu else 0) \
+            + t.embed_saved
+        transient = layers[j][1] if layers else blk.backward_transient_bytes
+        if j < t.k_ckpt:  # recompute block j: its activations (and autocast copies) come back
+            current = (layers[j][0] if layers else blk.saved_bytes) + t.autocast_copy + blk.input_bytes
+        elif t.offloaded_block is not None:
+            current, transient = 0, t.offloaded_block
+        else:
+            current = layers[j][0] + t.autocast_copy if layers else self.full_block
+        grads = self.grads_after(n_layers - 1 - j)
+        if j < t.k_ckpt and blk.recompute_transient_bytes:
+            # The recompute's last moments, before block j's backward starts: its whole tape, the
+            # grad of its output, and the unsaved tensors at its widest LoRA'd linear
+            # (torch/utils/checkpoint.py reruns the forward when backward first unpacks a saved tensor).
+            first_grads.append(self.grads_after(n_layers - 1 - j, held=False))
+            moments.append({**self.base, **self.in_backward, "gradients": grads,
+                            "activations": remaining + current,
+                            "recompute_temporaries": blk.recompute_transient_bytes + blk.input_bytes,
+                            "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
+        first_grads.append(self.grads_after(n_layers - 1 - j, held=False))
+        moments.append({**self.base, **self.in_backward, **self.in_reduction, "gradients": grads,
+                        "activations": remaining + current,
+                        "backward_temporaries": transient + t.landing
+                        - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
+                        "dequantized_weight": t.dequant,
+                        "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
+
+
+def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, capacity_bytes: int | None,
+              trace: dict | None):
+    """(the replay's stats, the bytes outside the allocator) for the steady-state step: the run's
+    first step, then a second one, through the caching allocator (allocator.py, replay.py)."""
+    c, t = walk.c, walk.t
+    plan, n_layers, hardware = c.plan, c.n_layers, c.hardware
+    after_step = {**phases["optimizer_step"], "gradients": t.fwd_grads, "optimizer_step_temporaries": 0}
+    fwd_walk = [{**phases["forward"], t.loss_key: 0,
+                 "activations": walk.on_gpu_below(k) + t.embed_saved
+                 + (c.blk.saved_bytes if not t.kept_on_gpu and k < n_layers else 0),
+                 "autocast_weight_copies": t.amp_cache * k // max(1, n_layers)}
                 for k in range(n_layers + 1)]
     step = [*fwd_walk, phases["forward"], *moments, phases["optimizer_step"], after_step]
     # torch.optim creates its states at the first step() (Optimizer._init_group), into whatever
@@ -389,24 +357,26 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     # into the blocks its activations free, and stay there when accumulation or zero_grad keeps them
     # (what fragments the cache for the steady-state steps).
     first_step = [{**m, "gradients": g} for m, g in
-                  zip(step[:-2], [first_fwd_grads] * (len(fwd_walk) + 1) + first_grads)] + step[-2:]
+                  zip(step[:-2], [t.first_fwd_grads] * (len(fwd_walk) + 1) + first_grads)] + step[-2:]
     if plan.engine == "torch":
         first_step = [{**m, "optimizer_states": 0} for m in first_step[:-2]] + first_step[-2:]
-    if last and plan.loss == "standard" and head.backward_peak_bytes:
-        first_step, step = (_loss_work_moments(seq, len(fwd_walk), loss_component(plan),
-                                               head.forward_peak_bytes + shift_copy, head.backward_peak_bytes)
+    if t.loss_work:
+        first_step, step = (_loss_work_moments(seq, len(fwd_walk), t.loss_key,
+                                               t.head.forward_peak_bytes + t.shift_copy, t.head.backward_peak_bytes)
                             for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
-    eager = EAGER_KERNEL_IMAGES_BYTES if habits.eager_module_loading else 0
+    cuda = c.device == "cuda"
+    eager = EAGER_KERNEL_IMAGES_BYTES if c.habits.eager_module_loading else 0
     outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager,
-                                      eager_nvls=habits.eager_nvls) if cuda else 0
+                                      eager_nvls=c.habits.eager_nvls) if cuda else 0
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets
     # on a reduction stream (deepspeed/runtime/zero/stage_1_and_2.py, reduction_stream).
-    streams = {"zero3_gathered_params": 1, **{name: 2 for name in in_backward}}
-    chunks = {**_shard_chunks(_chunks(model, plan, rp, blk, head, ckpt, n_layers, first, last), timeline),
-              "pipeline_buffers": (blk.input_bytes,), "pipeline_logits": (max(1, logits_bytes),)}
+    streams = {"zero3_gathered_params": 1, **{name: 2 for name in walk.in_backward}}
+    chunks = {**_shard_chunks(_chunks(c.model, plan, c.rp, c.blk, t.head, t.k_ckpt > 0, n_layers, c.first, c.last),
+                              timeline),
+              "pipeline_buffers": (c.blk.input_bytes,), "pipeline_logits": (max(1, t.logits_bytes),)}
     if trace is not None:
         trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
                      steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
@@ -420,40 +390,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         capped = replay(events, AllocatorConfig(caching=True, capacity=capacity))
         if not capped.ran_out:
             stats = capped
-    allocated = max(stats.allocated_peak_bytes, totals[peak_phase])
-    reserved = max(stats.reserved_peak_bytes, allocated)
-    if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
-        components["allocator_rounding"] = allocated - totals[peak_phase]
-    context = outside
-
-    host = _host_bytes(model, plan, hardware, st) + (
-        offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
-    notes = list(habits.notes)
-    if plan.zero_stage == 3 and plan.engine == "deepspeed":
-        notes.append("ZeRO-3 init assumes zero.Init (accelerate zero3_init_flag: true)")
-    if num.autocast and not plan.is_quantized:
-        notes.append("torch autocast: fp32 weights, bf16 weight copies cached for the forward")
-    if plan.engine == "torch" and plan.zero_stage == 3 and plan.pp == 1 and plan.grad_accum > 1:
-        notes.append("FSDP with accumulation: gradients held unsharded between syncs (FSDP.no_sync, as "
-                     "Accelerate and Lightning run it)")
-    if plan.is_quantized:
-        notes.append(f"{plan.quantize_base} base (bitsandbytes 4-bit, double quant {'on' if plan.double_quant else 'off'}): "
-                     "each linear dequantised into the compute dtype per matmul; the rest fp32")
-    if offload:
-        notes.append(f"activation offload: {offloaded_activation_bytes(model, plan, device=device) / GIB:.2f} GiB of "
-                     "saved activations per micro-batch in pinned host RAM per GPU (estimate/backward_techniques.py)")
-    if plan.optimizer_in_backward:
-        notes.append("optimizer in backward: each parameter steps in its gradient hook; one gradient alive at a time")
-    return MemoryEstimate(
-        allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
-        nvidia_smi_peak_bytes=int(reserved + context),
-        device_total_bytes=hardware.gpu.memory_bytes,
-        num_params=model.num_params + (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else 0),
-        num_trainable_params=(model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
-                              else model.num_params),
-        peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
-        host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
-        notes=tuple(notes))
+    return stats, outside
 
 
 def _loss_work_moments(seq: list[dict[str, int]], i: int, key: str, forward_work: int,
@@ -546,23 +483,6 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
         out[loss_component(plan)] = (max(1, head.saved_bytes), max(1, head.forward_peak_bytes))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)
     return out
-
-
-def _landing(rp: RankParams, st, plan: TrainingPlan, model: ModelSpec) -> int:
-    """A block's fresh gradients before the engine files them away (AccumulateGrad output, or
-    param.grad awaiting the ZeRO bucket copy)."""
-    if st.gradients_grow and plan.grad_accum == 1:
-        return 0  # they are the stored gradients themselves
-    wb = 2 if (plan.engine == "deepspeed" and plan.precision != "fp32") or plan.precision == "bf16-pure" else 4
-    if plan.engine == "torch" and plan.zero_stage == 0 and not plan.is_lora:
-        # AccumulateGrad adds each fresh gradient into the existing .grad as soon as it is made
-        # (its nodes run first: sequence_nr UINT64_MAX, torch/csrc/autograd/node.h; in-place
-        # `variable_grad += new_grad`, torch/csrc/autograd/functions/accumulate_grad.h), so one
-        # weight's gradient lands at a time -- measured on a CPU pipeline stage (tests/e2e/
-        # test_parallel_equivalence.py), whose peak is a block's backward.
-        return max(lin.in_features * lin.out_features // (plan.tp if lin.tp_style != "replicate" else 1)
-                   for lin in model.layer_linears) * wb
-    return rp.layer_trainable * wb
 
 
 def _host_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, st) -> int:

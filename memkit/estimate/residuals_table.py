@@ -2,7 +2,7 @@
 QUANTILE of measured/predicted - 1 per figure kind over 76 published GPU runs, the
 smallest candidate whose leave-one-framework-out coverage reaches 90% (pooled it covers 92.1%;
 its worst fold, torchtitan, 80.0%); LEAVE_ONE_SOURCE_OUT[s] / LEAVE_ONE_FRAMEWORK_OUT[f]: the same, computed
-without source s / framework f (memkit.calibration.framework_of)."""
+without source s / framework f (memkit.calibrate.published_memory.framework_of)."""
 NUM_ROWS = 76
 QUANTILE = 0.93
 LOSO_COVERAGE = 0.9211

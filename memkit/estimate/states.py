@@ -106,65 +106,86 @@ class States:
 
 def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") -> States:
     """Per-rank states for `plan`. `device='cpu'` models the CPU test runs (no foreach kernels)."""
-    n = plan.dp
-    psi, psi_t = rp.num_params, rp.num_trainable
     opt_bpp = optimizer_state_bytes_per_param(plan.optimizer, plan.precision)
     if plan.engine == "torch":
         return _torch_states(plan, rp, opt_bpp, device)
+    by_stage = {0: _deepspeed_zero0_states, 1: _deepspeed_zero12_states, 2: _deepspeed_zero12_states}
+    return by_stage.get(plan.zero_stage, _deepspeed_zero3_states)(plan, rp, opt_bpp, device)
+
+
+def _deepspeed_sizes(plan: TrainingPlan, rp: RankParams) -> tuple[int, int, int, int, int]:
+    """(data ranks, parameters, trainable parameters, bytes per weight, bytes per master weight)."""
     wb = 4 if plan.precision == "fp32" else 2  # DeepSpeed casts the module (engine.py)
     master_b = 0 if plan.precision in ("fp32", "bf16-pure") else 4
+    return plan.dp, rp.num_params, rp.num_trainable, wb, master_b
+
+
+def _deepspeed_zero0_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: str) -> States:
+    """DeepSpeed without ZeRO: every rank holds everything."""
+    n, psi, psi_t, wb, master_b = _deepspeed_sizes(plan, rp)
+    st = States()
+    grad_b = wb
+    st.weights = psi * wb
+    st.optimizer_states = int(psi_t * opt_bpp)
+    st.gradients = psi_t * grad_b
+    if master_b:
+        # FP16/BF16 unfused optimizer: fp32 copy of every param; step casts grads to fp32.
+        st.master_weights = psi_t * master_b
+        st.step_transient = psi_t * 4
+    if n > 1:  # engine.allreduce_gradients flattens up to one bucket at a time
+        st.buffers["allreduce_bucket"] = min(plan.reduce_bucket_size, psi_t) * grad_b
+    st.step_transient += _adam_temp(plan, psi_t, rp.largest_tensor, device)
+    return st
+
+
+def _deepspeed_zero12_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: str) -> States:
+    """ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py): optimizer states (and under ZeRO-2
+    gradients) partitioned over the data ranks."""
+    n, psi, psi_t, wb, master_b = _deepspeed_sizes(plan, rp)
     st = States()
     zero = plan.zero_stage
     grad_b = wb
-    if zero == 0:
-        st.weights = psi * wb
-        st.optimizer_states = int(psi_t * opt_bpp)
-        st.gradients = psi_t * grad_b
-        if master_b:
-            # FP16/BF16 unfused optimizer: fp32 copy of every param; step casts grads to fp32.
-            st.master_weights = psi_t * master_b
-            st.step_transient = psi_t * 4
-        if n > 1:  # engine.allreduce_gradients flattens up to one bucket at a time
-            st.buffers["allreduce_bucket"] = min(plan.reduce_bucket_size, psi_t) * grad_b
-        st.step_transient += _adam_temp(plan, psi_t, rp.largest_tensor, device)
-        return st
-    if zero in (1, 2):
-        st.weights = psi * wb  # bit16_groups_flat: every rank holds all weights
-        # The master partition is a clone even in fp32 (single_partition_of_fp32_groups).
-        master = _div(psi_t, n) * (master_b or 4) if plan.precision != "bf16-pure" else 0
-        optim = int(_div(psi_t, n) * opt_bpp)
-        fp32_grad = _div(psi_t, n) * 4
-        if plan.offload_optimizer == "cpu":
-            st.host["master_weights"] = master
-            st.host["optimizer_states"] = optim
-            st.host["fp32_gradients"] = fp32_grad
-            st.host["bit16_param_buffer"] = _div(psi_t, n) * wb
-            st.host["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_cpu_offload
-            st.buffers["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_gpu_offload
-        else:
-            st.master_weights = master
-            st.optimizer_states = optim
-            # The basic optimizer steps one flat fp32 partition (a single tensor).
-            st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
-        # The ipg bucket is allocated at its configured size whatever the model's size
-        # (stage_1_and_2.py setup_buckets); two of them with overlap_comm.
-        ipg = plan.reduce_bucket_size * grad_b * (2 if plan.overlap_comm else 1)
-        if zero == 2:
-            st.gradients_grow = False
-            st.backward_buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
-            st.gradients = 0 if plan.offload_optimizer == "cpu" else _div(psi_t, n) * grad_b
-        else:
-            st.gradients = psi_t * grad_b  # stage 1 keeps whole gradients until the step
-            st.step_transient += _div(psi_t, n) * grad_b  # averaged_gradients partition
-            # Stage 1 registers the gradient hooks too when contiguous_gradients is on
-            # (stage_1_and_2.py __init__: partition_gradients or overlap_comm or ... or
-            # contiguous_gradients), and the first hook allocates the ipg bucket(s) at their
-            # configured size (setup_buckets; a second with overlap_comm). Measured:
-            # tests/golden/cpu_measurements.json ds-z1-bf16-overlap-tiny-suggested (issue #15).
-            if plan.contiguous_gradients:
-                st.reduction_buffers["ipg_bucket"] = ipg
-        return st
-    # ZeRO-3
+    st.weights = psi * wb  # bit16_groups_flat: every rank holds all weights
+    # The master partition is a clone even in fp32 (single_partition_of_fp32_groups).
+    master = _div(psi_t, n) * (master_b or 4) if plan.precision != "bf16-pure" else 0
+    optim = int(_div(psi_t, n) * opt_bpp)
+    fp32_grad = _div(psi_t, n) * 4
+    if plan.offload_optimizer == "cpu":
+        st.host["master_weights"] = master
+        st.host["optimizer_states"] = optim
+        st.host["fp32_gradients"] = fp32_grad
+        st.host["bit16_param_buffer"] = _div(psi_t, n) * wb
+        st.host["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_cpu_offload
+        st.buffers["offload_grad_buffer"] = rp.largest_tensor * wb  # temp_grad_buffer_for_gpu_offload
+    else:
+        st.master_weights = master
+        st.optimizer_states = optim
+        # The basic optimizer steps one flat fp32 partition (a single tensor).
+        st.step_transient = fp32_grad + _adam_temp(plan, _div(psi_t, n), _div(psi_t, n), device)
+    # The ipg bucket is allocated at its configured size whatever the model's size
+    # (stage_1_and_2.py setup_buckets); two of them with overlap_comm.
+    ipg = plan.reduce_bucket_size * grad_b * (2 if plan.overlap_comm else 1)
+    if zero == 2:
+        st.gradients_grow = False
+        st.backward_buffers["ipg_bucket"] = ipg if plan.contiguous_gradients else 0
+        st.gradients = 0 if plan.offload_optimizer == "cpu" else _div(psi_t, n) * grad_b
+    else:
+        st.gradients = psi_t * grad_b  # stage 1 keeps whole gradients until the step
+        st.step_transient += _div(psi_t, n) * grad_b  # averaged_gradients partition
+        # Stage 1 registers the gradient hooks too when contiguous_gradients is on
+        # (stage_1_and_2.py __init__: partition_gradients or overlap_comm or ... or
+        # contiguous_gradients), and the first hook allocates the ipg bucket(s) at their
+        # configured size (setup_buckets; a second with overlap_comm). Measured:
+        # tests/golden/cpu_measurements.json ds-z1-bf16-overlap-tiny-suggested (issue #15).
+        if plan.contiguous_gradients:
+            st.reduction_buffers["ipg_bucket"] = ipg
+    return st
+
+
+def _deepspeed_zero3_states(plan: TrainingPlan, rp: RankParams, opt_bpp: float, device: str) -> States:
+    """ZeRO-3 (deepspeed/runtime/zero/stage3.py): parameters partitioned too."""
+    n, psi, psi_t, wb, master_b = _deepspeed_sizes(plan, rp)
+    st = States()
     st.gradients_grow = False
     part = _div(psi - rp.num_persistent, n) + rp.num_persistent
     # Gathered parameters: the running block plus the prefetch bucket; and where the forward turns

@@ -762,35 +762,71 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                   backward_prefetch=backward_prefetch)
     off = _offload(plan, model, hardware, t_bwd + t_recompute, fwd_s=t_fwd, offload_streams=offload_streams)
 
+    t_tp = _tp_comm_s(plan, model, hardware, tokens)
+
+    t_pp, bubble = _pp_comm(plan, model, hardware, tokens)
+
+    t_zero3 = _zero3_overhead_s(plan, model, stack)
+    host_excess = max(0.0, t_host - t_gpu)
+    micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
+
+    t_opt = _optimizer_step_s(plan, model, gpu, stack)
+
+    step = micro * m * bubble + dp.boundary_s + off.boundary_s + boundary_copy_s + t_opt + STEP_OVERHEAD_S
+    components = {
+        "compute": (t_fwd + t_bwd) * m,
+        "recompute": t_recompute * m,
+        "pipeline_bubble": micro * m * (bubble - 1.0),
+        "dp_comm": dp.micro_s * m + dp.boundary_s,
+        "zero_grad_copies": micro_copy_s * m + boundary_copy_s,
+        "tp_comm": t_tp * m,
+        "pp_comm": t_pp * m,
+        "offload_transfer": off.micro_s * m + off.boundary_s,
+        "optimizer_step": t_opt,
+        "host_overhead": (host_excess + t_zero3) * m + STEP_OVERHEAD_S,
+    }
+    return _with_flops(model, plan, gpu, step=step, t_gpu=t_gpu, tokens=tokens, components=components)
+
+
+def _tp_comm_s(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens: int) -> float:
+    """Seconds per micro-step of tensor-parallel communication."""
     # Tensor parallel (Megatron, Shoeybi et al. 2019, Sec. 3): two all-reduces of the b*s*h
     # activations forward and two backward per block (sequence parallel swaps each for an
     # all-gather + reduce-scatter of the same volume, Korthikanti et al. 2022, Sec. 4.2.2); the
     # recompute forward repeats the forward two. Synchronous.
-    t_tp = 0.0
-    if plan.tp > 1:
-        act = tokens * model.hidden_size * _elt(plan)
-        per_block = 4 + 2 * recompute_share(plan, model.total_layers)
-        tp_link = _intra_link(gpu) if plan.tp <= hardware.num_gpus_per_node else _Link(hardware.inter_node_gbps, "net")
-        t_tp = model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
+    if plan.tp <= 1:
+        return 0.0
+    act = tokens * model.hidden_size * _elt(plan)
+    per_block = 4 + 2 * recompute_share(plan, model.total_layers)
+    tp_link = _intra_link(hardware.gpu) if plan.tp <= hardware.num_gpus_per_node else _Link(hardware.inter_node_gbps, "net")
+    return model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
 
+
+def _pp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens: int) -> tuple[float, float]:
+    """(seconds per micro-step of stage-boundary transfers, the bubble's stretch of the step)."""
     # Pipeline: activations forward and their gradients backward at each stage boundary; the
     # 1F1B / GPipe bubble idles (p-1)/(m+p-1) of the time (Narayanan et al. 2021, Sec. 2.2).
-    t_pp, bubble = 0.0, 1.0
-    if plan.pp > 1:
-        act = tokens * model.hidden_size * _elt(plan)
-        pp_bw = gpu.intra_node_gbps if hardware.num_nodes == 1 else hardware.inter_node_gbps
-        t_pp = 2 * act / (pp_bw * GB)
-        bubble = (m + plan.pp - 1) / m
+    if plan.pp <= 1:
+        return 0.0, 1.0
+    act = tokens * model.hidden_size * _elt(plan)
+    pp_bw = hardware.gpu.intra_node_gbps if hardware.num_nodes == 1 else hardware.inter_node_gbps
+    m = plan.grad_accum
+    return 2 * act / (pp_bw * GB), (m + plan.pp - 1) / m
 
+
+def _zero3_overhead_s(plan: TrainingPlan, model: ModelSpec, stack: Stack | None) -> float:
+    """Host seconds per micro-step DeepSpeed ZeRO-3 spends fetching and releasing parameters."""
     t_zero3 = 0.0
     if plan.zero_stage == 3 and plan.engine == "deepspeed":
         t_zero3 = model.total_layers / plan.pp * ZERO3_OVERHEAD_S_PER_LAYER
         if behaviour(stack).zero3_debug_strings:   # DeepSpeed < 0.9.4 (ZERO3_DEBUG_CALLS_PER_PARAM)
             per_pass = _param_tensors(model, replace(plan, lora_rank=0))   # every param is fetched, frozen too
             t_zero3 += 2 * per_pass * ZERO3_DEBUG_CALLS_PER_PARAM * OP_DISPATCH_S
-    host_excess = max(0.0, t_host - t_gpu)
-    micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
+    return t_zero3
 
+
+def _optimizer_step_s(plan: TrainingPlan, model: ModelSpec, gpu, stack: Stack | None) -> float:
+    """Seconds of the optimizer step on the GPU (0 when the optimizer is offloaded)."""
     t_opt = 0.0
     if plan.offload_optimizer == "none":
         trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
@@ -808,25 +844,18 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         if plan.optimizer_in_backward:  # one step() per tensor, inside backward
             t_opt = max(t_opt, _param_tensors(model, plan) * IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
                         * OP_DISPATCH_S)
+    return t_opt
 
-    step = micro * m * bubble + dp.boundary_s + off.boundary_s + boundary_copy_s + t_opt + STEP_OVERHEAD_S
+
+def _with_flops(model: ModelSpec, plan: TrainingPlan, gpu, *, step: float, t_gpu: float, tokens: int,
+                components: dict[str, float]) -> StepTimeEstimate:
+    """The step's estimate with its FLOP figures: MFU counts the model's FLOPs, HFU the recompute's
+    too (flops.py), both against every GPU's peak."""
     model_fpt, recompute_fpt = flops_per_token(model, plan)
     tokens_step = plan.tokens_per_step
     model_flops_step = model_fpt * tokens_step
     peak = gpu.peak_tflops(plan.precision) * 1e12
     peak_all = peak * plan.num_gpus
-    components = {
-        "compute": (t_fwd + t_bwd) * m,
-        "recompute": t_recompute * m,
-        "pipeline_bubble": micro * m * (bubble - 1.0),
-        "dp_comm": dp.micro_s * m + dp.boundary_s,
-        "zero_grad_copies": micro_copy_s * m + boundary_copy_s,
-        "tp_comm": t_tp * m,
-        "pp_comm": t_pp * m,
-        "offload_transfer": off.micro_s * m + off.boundary_s,
-        "optimizer_step": t_opt,
-        "host_overhead": (host_excess + t_zero3) * m + STEP_OVERHEAD_S,
-    }
     per_gpu_flops = (model_fpt + recompute_fpt) * tokens / (plan.tp * plan.pp)
     return StepTimeEstimate(
         step_time_s=step,

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memkit.errors import MemkitError
-
-# Auto classes memkit trains, in the order a model type is looked up.
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM")
+from memkit.spec.hf_config import (AUTO_CLASSES, TASK_CLASSES, auto_class_for, block_lists, build_config,  # noqa: F401
+                                   label_shape, layer_count_keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,79 +82,6 @@ def trace_plan(config: dict, *, auto_class: str, plan, micro_batch_size: int, de
                  head_saved_bytes=at(one.head_saved_bytes, two.head_saved_bytes),
                  num_blocks=one.num_blocks, attention=one.attention, notes=one.notes,
                  layers=tuple((at(a1, a2), at(c1, c2)) for (a1, c1), (a2, c2) in zip(one.layers, two.layers)))
-
-
-TASK_CLASSES = {"seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
-"""The Auto class of each classification task (TrainingPlan.task); 'causal-lm' is auto_class_for's LM."""
-
-
-def label_shape(auto_class: str, micro_batch_size: int, seq_len: int, target_len: int = 0) -> tuple[int, ...]:
-    """The labels of one micro-batch: a class per sequence (ForSequenceClassificationLoss,
-    transformers/loss/loss_utils.py), a label per token (ForTokenClassification, and the LMs), or per
-    decoder token of a seq2seq LM, whose decoder inputs are the labels shifted right
-    (bart/modeling_bart.py shift_tokens_right; t5/modeling_t5.py _shift_right): target_len, else seq_len."""
-    if auto_class == TASK_CLASSES["seq-cls"]:
-        return (micro_batch_size,)
-    if auto_class == "AutoModelForSeq2SeqLM":
-        return (micro_batch_size, target_len or seq_len)
-    return (micro_batch_size, seq_len)
-
-
-def build_config(config: dict):
-    """The transformers config object of a config.json dict (registered model types included)."""
-    from transformers import AutoConfig
-
-    data = {k: v for k, v in config.items() if not k.startswith("_")}
-    model_type = data.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError) as exc:
-        raise MemkitError(f"transformers cannot build model_type {model_type!r} ({exc}); "
-                          "upgrade transformers or pass a config of a model type it knows") from None
-
-
-def auto_class_for(hf_config) -> str:
-    """The LM class memkit trains for this config: an encoder-decoder (`is_encoder_decoder`: BART, T5)
-    its seq2seq LM; an encoder (a masked-LM class and not `is_decoder`: ELECTRA, BERT, DistilBERT) its
-    masked LM -- e.g. ElectraForCausalLM is the encoder misused as a decoder (transformers warns
-    "add `is_decoder=True`", electra/modeling_electra.py ElectraForCausalLM.__init__), and
-    BartForCausalLM is BART's decoder alone without the encoder (bart/modeling_bart.py); else the
-    first of AUTO_CLASSES whose mapping builds this config class."""
-    import transformers
-
-    order = list(AUTO_CLASSES)
-    if getattr(hf_config, "is_encoder_decoder", False):
-        order.remove("AutoModelForSeq2SeqLM")
-        order.insert(0, "AutoModelForSeq2SeqLM")
-    elif not getattr(hf_config, "is_decoder", False) \
-            and type(hf_config) in transformers.AutoModelForMaskedLM._model_mapping:
-        order.remove("AutoModelForMaskedLM")
-        order.insert(0, "AutoModelForMaskedLM")
-    for name in order:
-        if type(hf_config) in getattr(transformers, name)._model_mapping:
-            return name
-    raise MemkitError(f"model_type {hf_config.model_type!r} has no causal-LM, seq2seq-LM or masked-LM "
-                      "class in transformers; memkit estimates language-model training")
-
-
-def block_lists(model) -> list[tuple[str, object]]:
-    """The outermost ModuleLists of repeated blocks: those as long as a layer count of the config (the
-    decoder's `layers`/`h`, T5's encoder and decoder `block`), else those holding most parameters."""
-    import torch
-
-    counts = {getattr(model.config, k, None) for k in layer_count_keys(model.config) + ["num_layers"]}
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists)]
-    found = [(n, m) for n, m in outer if len(m) in counts]
-    if not found:
-        total = sum(p.numel() for p in model.parameters()) or 1
-        found = [(n, m) for n, m in outer if sum(p.numel() for p in m.parameters()) >= 0.1 * total]
-    return found
-
-
-def layer_count_keys(hf_config) -> list[str]:
-    """Config attributes that set a number of blocks (num_hidden_layers and T5's decoder count)."""
-    return [k for k in ("num_hidden_layers", "num_decoder_layers") if isinstance(getattr(hf_config, k, None), int)]
 
 
 def _traced_layers(hf_config) -> tuple[int, bool]:

@@ -1,1 +1,1 @@
-"""Memory and throughput measurement used by the runner, `verify`, and the estimator tests."""
+"""Memory and throughput measurement used by the runner and `verify` (the live-tensor tracker, CUDA counters)."""

@@ -27,8 +27,8 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
 
 def generic_fields(config: dict, source: str, auto_class: str | None = None) -> dict:
     """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`, built as its
-    language model or as `auto_class` (a task head: estimate/traced.py TASK_CLASSES)."""
-    from memkit.estimate.traced import auto_class_for, block_lists, build_config
+    language model or as `auto_class` (a task head: spec/hf_config.py TASK_CLASSES)."""
+    from memkit.spec.hf_config import auto_class_for, block_lists, build_config
 
     if not _known_to_transformers(config["model_type"]):
         return _remote_code_fields(config, source)
@@ -110,7 +110,7 @@ def task_spec(spec, plan):
 def _task_spec(config_json: str, name: str, hub_id: str, config_path: str, task: str, num_labels: int):
     import transformers
 
-    from memkit.estimate.traced import TASK_CLASSES, build_config
+    from memkit.spec.hf_config import TASK_CLASSES, build_config
     from memkit.spec.hf import spec_from_config
 
     config = json.loads(config_json)

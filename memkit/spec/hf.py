@@ -7,7 +7,7 @@ Parameter counts are exact: each family below mirrors its transformers 5.24 mode
 family), and tests/unit/test_hf_spec.py compares every count with sum(p.numel()) of the model that
 transformers builds on the meta device (tied weights counted once). Defaults for absent keys are the
 family's config-class defaults (transformers/models/<family>/configuration_<family>.py).
-No torch or transformers import here: config work is instant (STYLE.md, litgpt).
+No torch or transformers import here: config work is instant (memkit/ARCHITECTURE.md, "Conventions").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """ModelSpec: the architecture facts the estimator needs, read once from an HF config (hf.py).
 
-Frozen and free of torch/transformers, so config work is instant (STYLE.md, litgpt).
+Frozen and free of torch/transformers, so config work is instant (memkit/ARCHITECTURE.md, "Conventions").
 Parameter counts are exact: tests compare them with `sum(p.numel())` of the model
 that transformers builds on the meta device.
 """
@@ -66,7 +66,7 @@ class Block:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """A transformer as memkit sees it. Counts are `num_*` (STYLE.md, torchtitan)."""
+    """A transformer as memkit sees it. Counts are `num_*` (memkit/ARCHITECTURE.md, "Conventions")."""
 
     name: str
     """Catalog name, path or hub id the user gave."""

@@ -8,7 +8,7 @@ autograd nodes is copied once (keyed by the storage and its version counter, so 
 change between two saves gives a second copy). On a CPU-only machine the saved tensors already
 live in host memory: like save_on_cpu (whose `tensor.cpu()` returns a CPU tensor itself) it keeps
 them, unless a `store` is given -- the CPU measurements pass one that keeps the bytes outside
-torch (numpy), so a LiveTensorTracker sees what a GPU would hold (memkit/measure/cpu_step.py).
+torch (numpy), so a LiveTensorTracker sees what a GPU would hold (memkit/calibrate/cpu_step.py).
 
 `OptimizerInBackward` holds one optimizer per trainable parameter and steps it in that
 parameter's post-accumulate-grad hook (torch Tensor.register_post_accumulate_grad_hook; torchtune

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memkit.cli.supervise import EXIT_SIGNAL, descendants
+from memkit.train.supervise import EXIT_SIGNAL, descendants
 from memkit.errors import MemkitError
 from memkit.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, CheckpointWriteError, resolve_resume, save_final_model

@@ -16,24 +16,14 @@ from memkit.spec.resolve import WEIGHT_FILES, ModelSource, resolve_model  # noqa
 
 def load_config(source: ModelSource):
     """The transformers config, read from the local file (no hub access)."""
-    from transformers import AutoConfig
-
     from memkit.fileio import read_json_object
+    from memkit.spec.hf_config import build_hf_config
 
     data = read_json_object(source.config_path, what="config file")
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise MemkitError(f"{source.config_path} has no 'model_type'; is it a transformers config.json?")
-    try:
-        from huggingface_hub.errors import StrictDataclassError  # transformers 5 config validators
-    except ImportError:  # older huggingface_hub
-        StrictDataclassError = ValueError
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, StrictDataclassError) as exc:
-        reason = " ".join(str(exc).split())  # its validator's multi-line text, as one line
-        raise MemkitError(f"{source.config_path}: transformers cannot build model_type {model_type!r} "
-                          f"({reason})") from None
+    return build_hf_config(
+        data, missing_type=f"{source.config_path} has no 'model_type'; is it a transformers config.json?",
+        unbuildable="{where}: transformers cannot build model_type {model_type!r} ({reason})",
+        where=str(source.config_path))
 
 
 def max_positions(config) -> int | None:

@@ -40,7 +40,7 @@ from memkit.errors import MemkitError
 from memkit.parallel import RankLayout, rank_layout, stage_layers  # noqa: F401 (rank_layout: loop.py imports it here)
 from memkit.plan import TrainingPlan
 
-# torch is imported inside the functions that need it, so validation stays instant (STYLE.md).
+# torch is imported inside the functions that need it, so validation stays instant (memkit/ARCHITECTURE.md).
 
 IGNORE_INDEX = -100
 

@@ -1,6 +1,6 @@
 """The runner's side of QLoRA (rules and bytes: memkit/quantize.py): load the base with its linear
 weights in 4 bits through transformers' BitsAndBytesConfig, then peft's
-prepare_model_for_kbit_training. Used by memkit/train/loop.py and memkit/measure/cpu_step.py, and
+prepare_model_for_kbit_training. Used by memkit/train/loop.py and memkit/calibrate/cpu_step.py, and
 printed into the bundle's Trainer recipe (memkit/emit/trainer.py bnb_config_kwargs), so the
 runner, the CPU measurements and a user's own script load the model the same way.
 """

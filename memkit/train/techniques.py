@@ -1,6 +1,6 @@
 """The runner's side of the memory-saving techniques (rules: memkit/techniques.py): activation
 checkpointing of all or the first K decoder blocks, and the chunked loss. Used by
-memkit/train/model.py (apply_plan), memkit/train/loop.py and memkit/measure/cpu_step.py, so the
+memkit/train/model.py (apply_plan), memkit/train/loop.py and memkit/calibrate/cpu_step.py, so the
 runner, the CPU measurements and the Trainer recipe run the same code.
 """
 from __future__ import annotations

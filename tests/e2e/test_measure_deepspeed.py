@@ -27,7 +27,7 @@ PLAN = TrainingPlan(engine="deepspeed", precision="bf16", zero_stage=2, dp=2, mi
 
 
 def _num_params() -> int:
-    from memkit.measure.cpu_step import count_params
+    from memkit.calibrate.cpu_step import count_params
 
     return count_params(MODEL_CONFIG, PLAN.with_(engine="torch", dp=1, zero_stage=0))["num_params"]
 
@@ -38,7 +38,7 @@ def ranks(tmp_path_factory):
     (tmp / "cfg.json").write_text(json.dumps(MODEL_CONFIG))
     (tmp / "plan.json").write_text(json.dumps(PLAN.to_dict()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
-           "-m", "memkit.measure.deepspeed_step", "--model-config", str(tmp / "cfg.json"),
+           "-m", "memkit.calibrate.deepspeed_step", "--model-config", str(tmp / "cfg.json"),
            "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"), "--steps", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -29,7 +29,7 @@ import yaml
 from runner_util import FINETUNE, REPO, TEXT_DATA, env, events, final_params, free_port, read_log, write_bundle, \
     write_tiny_llama
 
-from memkit.cli.supervise import EXIT_SIGNAL, descendants, launcher_env
+from memkit.train.supervise import EXIT_SIGNAL, descendants, launcher_env
 from memkit.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,7 @@ at 2 %). Peak measured/predicted: 1.096 (NF4) vs 1.084 (16-bit base), asserted e
 (the common ~9 % is the runner's own overhead at this 2 MiB size; the 4-bit terms are checked at
 scale by tests/unit/test_estimate_measured_qlora.py). One process gave 1.097 vs 1.044 (~84 KB
 more than predicted; not asserted): the runner's own run, since the same training steps measured
-by memkit.measure.cpu_step on this model save what the estimate says (0.23 MiB both). The run saves the adapter only, and the base
+by memkit.calibrate.cpu_step on this model save what the estimate says (0.23 MiB both). The run saves the adapter only, and the base
 loaded in 4 bits + that adapter reproduces the trained model's logits.
 """
 from __future__ import annotations

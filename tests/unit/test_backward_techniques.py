@@ -106,7 +106,7 @@ def test_optimizer_in_backward_step_time_is_one_step_call_per_tensor():
 # ---- the runner's hooks on tiny models ---------------------------------------------------------
 
 def _model(config, plan, seed=0):
-    from memkit.measure.cpu_step import build_model
+    from memkit.calibrate.cpu_step import build_model
 
     return build_model(config, plan, seed=seed)
 
@@ -150,7 +150,7 @@ def test_offload_on_cpu_without_a_store_moves_nothing():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_optimizer_in_backward_equals_the_plain_step(optimizer):
-    from memkit.measure.cpu_step import build_optimizer
+    from memkit.calibrate.cpu_step import build_optimizer
     from memkit.train.backward_techniques import OptimizerInBackward
 
     plan = TrainingPlan(**TORCH, optimizer=optimizer)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.calibration import as_sequence_classifier, cases_for_record, score
+from memkit.calibrate.published_memory import as_sequence_classifier, cases_for_record, score
 from memkit.spec.hf import load_model_spec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """The estimator against measured memory: real CPU training steps of small HF models.
 
 tests/golden/cpu_measurements.json holds the peak bytes of live tensors of real training steps
-(memkit/measure/cpu_step.py and deepspeed_step.py under a LiveTensorTracker; regenerate with
+(memkit/calibrate/cpu_step.py and deepspeed_step.py under a LiveTensorTracker; regenerate with
 `python benchmarks/measure_cpu.py --out tests/golden/cpu_measurements.json`). Each row carries
 its model config and TrainingPlan; the estimate (device='cpu') must be within TOLERANCE of the
 measured peak. This is the estimator's main correctness test: the same op-level accounting

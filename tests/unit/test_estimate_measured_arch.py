@@ -2,7 +2,7 @@
 families (issue #27): Mamba, Jamba, BART, ELECTRA, DeBERTa-v2, DistilBERT.
 
 tests/golden/cpu_measurements_arch.json holds the peak live-tensor bytes of real training steps
-(memkit/measure/cpu_step.py; regenerate with `python benchmarks/measure_cpu_arch.py --out
+(memkit/calibrate/cpu_step.py; regenerate with `python benchmarks/measure_cpu_arch.py --out
 tests/golden/cpu_measurements_arch.json`); the estimate (device='cpu') must be within TOLERANCE.
 `python benchmarks/arch_accuracy.py` prints the same comparison per family.
 """

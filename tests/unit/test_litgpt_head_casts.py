@@ -1,12 +1,12 @@
 """lit-gpt's chunked lm_head under autocast keeps one 16-bit copy of the frozen head weight per
-chunk (memkit/calibration.py, litgpt_head_cast_bytes), measured here on CPU autocast, which runs
+chunk (memkit/calibrate/published_memory.py, litgpt_head_cast_bytes), measured here on CPU autocast, which runs
 the same cast cache (aten/src/ATen/autocast_mode.cpp, cached_cast) as CUDA's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memkit.calibration import litgpt_head_cast_bytes
+from memkit.calibrate.published_memory import litgpt_head_cast_bytes
 from memkit.measure.live_tensors import LiveTensorTracker
 
 H, V, T = 64, 4096, 300  # 300 tokens in 128-token chunks: 3 chunks, the last one short

@@ -271,7 +271,7 @@ def test_stated_uncertainty_is_what_the_benchmark_measures():
     import json
     from pathlib import Path
 
-    from memkit.calibration_throughput import map_record, score, summarize
+    from memkit.calibrate.published_throughput import map_record, score, summarize
     repo = Path(__file__).resolve().parents[2]
     data = next((p for p in (repo.parent / "shared" / "calibration" / "published_throughput.jsonl",
                              Path("/work/shared/calibration/published_throughput.jsonl")) if p.exists()), None)

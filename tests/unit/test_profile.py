@@ -22,7 +22,7 @@ CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "n
 
 def test_measured_run_calibrates_the_next_estimate(tmp_path, monkeypatch, capsys):
     from memkit.cli.main import main
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
 
     monkeypatch.setenv(profile.ENV, str(tmp_path / "profile.json"))
     plan = TrainingPlan(precision="fp32", engine="torch", micro_batch_size=2, seq_len=64, attention="sdpa")

@@ -83,7 +83,7 @@ def test_torch1_adamw_loop_priced_as_measured_with_foreach_off():
     """torch < 2.0 AdamW loops over parameters: the step peak holds one parameter's temporary,
     not the foreach one as large as all of them (measured here with foreach=False)."""
     from memkit.estimate.memory import estimate_memory
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
     from memkit.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
@@ -131,7 +131,7 @@ def test_torch1_zero_grad_keeps_gradients_priced_as_measured():
     """torch < 2.0 zero_grad() zero-fills: the next forward runs with every gradient live. Measured
     on CPU with set_to_none False and True, against the estimate for torch 1.13 and 2.4."""
     from memkit.estimate.memory import estimate_memory
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
     from memkit.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config

@@ -98,7 +98,7 @@ def test_an_overlapped_collective_costs_the_compute_the_measured_share_of_its_ti
 
 
 def test_ranked_pairs_orders_each_pair_within_a_group_by_hand():
-    from memkit.calibration_throughput import ThroughputCase, ThroughputOutcome, rank_agreement, ranked_pairs
+    from memkit.calibrate.published_throughput import ThroughputCase, ThroughputOutcome, rank_agreement, ranked_pairs
 
     def row(name, group, measured, predicted):
         case = ThroughputCase(case_id=name, source_id="s", group=group, measured_tps_per_gpu=measured,

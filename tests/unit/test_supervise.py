@@ -28,7 +28,7 @@ while True:
 """
 DRIVER = """
 import os, sys
-from memkit.cli.supervise import Supervisor
+from memkit.train.supervise import Supervisor
 status, code = Supervisor(sys.argv[2:], env=dict(os.environ), grace_s=float(sys.argv[1])).run()
 print(status, code, flush=True)
 sys.exit(code)

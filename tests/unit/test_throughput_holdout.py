@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOLDOUT = ROOT / "benchmarks" / "data" / "holdout_throughput.jsonl"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from memkit.calibration_throughput import map_record, score, summarize  # noqa: E402
+from memkit.calibrate.published_throughput import map_record, score, summarize  # noqa: E402
 
 
 def _records() -> dict[str, dict]:

@@ -101,7 +101,7 @@ def novel_family():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_unseen_family_is_estimated_within_tolerance_of_its_measured_step(novel_family, precision):
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
 
     plan = PLAN.with_(precision=precision)
     spec = spec_from_config(novel_family, name="tiny-novel")

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,28 +25,13 @@ from memkit.estimate.ssm import SCAN_BACKWARD_FULL_TENSORS  # noqa: E402
 from memkit.estimate.traced import _hybrid_period, _trace, auto_class_for, build_config  # noqa: E402
 from memkit.plan import TrainingPlan  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from measure_cpu_arch import arch_configs  # noqa: E402  (benchmarks/measure_cpu_arch.py)
+
 PLAN = TrainingPlan(engine="torch", precision="fp32", attention="sdpa", micro_batch_size=2, seq_len=16)
-_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-SMALL = {
-    "mamba": {"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8, "expand": 2,
-              "conv_kernel": 4, "vocab_size": 300, **_IDS},
-    "jamba": {"model_type": "jamba", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "attn_layer_period": 2,
-              "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
-              "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, **_IDS},
-    "bart": {"model_type": "bart", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-             "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-             "decoder_ffn_dim": 128, "vocab_size": 300, "max_position_embeddings": 64, "bos_token_id": 0,
-             "eos_token_id": 2, "pad_token_id": 1, "decoder_start_token_id": 2},
-    "electra": {"model_type": "electra", "hidden_size": 64, "embedding_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 64},
-    "deberta-v2": {"model_type": "deberta-v2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 64,
-                   "relative_attention": True, "position_buckets": 32, "pos_att_type": ["p2c", "c2p"],
-                   "norm_rel_ebd": "layer_norm", "share_att_key": True, "position_biased_input": False},
-    "distilbert": {"model_type": "distilbert", "dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128,
-                   "vocab_size": 300, "max_position_embeddings": 64},
-}
+# the families' configs, smaller than benchmarks/measure_cpu_arch.py's rows (one table of them)
+SMALL = arch_configs(hidden=64, layers=2, heads=4, ffn=128, jamba_ffn=128, vocab=300, positions=64, d_state=8,
+                     buckets=32, bart_forced_eos=False)
 LORA = {"mamba": ("in_proj", "x_proj"), "jamba": ("q_proj", "v_proj", "in_proj", "out_proj")}
 
 

@@ -105,7 +105,7 @@ def test_variable_length_cpu_run_within_5pct_of_the_replay(tiny, plan):
     """A real run of steps at 128, 256, 192 tokens on CPU, peak live-tensor bytes: the CPU allocator
     does not cache (each tensor its own malloc), so the replay's peak is the peak of its longest
     step, and so is the run's."""
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
 
     steps = [128, 256, 192]
     measured = measure_training(LLAMA, plan, seq_lens=steps)["peak_bytes"]

@@ -8,7 +8,7 @@ exist), what was live at that peak split into params / grads / optimizer / other
 temporaries), and the bytes of params, grads and optimizer states measured from the objects.
 
 Single process, plain PyTorch (TrainingPlan.engine == "torch", zero_stage 0). DeepSpeed runs
-are in memkit.measure.deepspeed_step.
+are in memkit.calibrate.deepspeed_step.
 """
 from __future__ import annotations
 
@@ -40,13 +40,10 @@ def load_model_config(source) -> dict:
 
 def build_config(model_config):
     """An HF PretrainedConfig from a dict (or config.json path) with 'model_type' and the config keys."""
-    from transformers import AutoConfig
+    from memkit.spec.hf_config import build_hf_config
 
-    data = load_model_config(model_config)
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise MemkitError("model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
-    return AutoConfig.for_model(model_type, **data)
+    return build_hf_config(load_model_config(model_config),
+                           missing_type="model config has no 'model_type'; add e.g. \"model_type\": \"llama\"")
 
 
 def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
@@ -57,7 +54,8 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     import torch
     import transformers
 
-    from memkit.estimate.traced import TASK_CLASSES, auto_class_for, from_config
+    from memkit.estimate.traced import from_config
+    from memkit.spec.hf_config import TASK_CLASSES, auto_class_for
 
     torch.manual_seed(seed)
     config = build_config(model_config)
@@ -130,7 +128,7 @@ def random_batch(vocab_size: int, plan: TrainingPlan, generator, *, seq2seq: boo
     plan.target_len of them where given), a class per sequence or per token for a classifier."""
     import torch
 
-    from memkit.estimate.traced import TASK_CLASSES, label_shape
+    from memkit.spec.hf_config import TASK_CLASSES, label_shape
 
     ids = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len), generator=generator)
     if plan.task == "causal-lm" and not (seq2seq and plan.target_len):
@@ -160,7 +158,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
         raise MemkitError("--precision fp16 is not measurable on CPU (no fp16 autocast); use bf16")
     if plan.zero_stage != 0 or plan.dp * plan.tp * plan.pp != 1:
         raise MemkitError("measure_training runs one process without ZeRO; use "
-                          "memkit.measure.deepspeed_step for ZeRO / data parallel plans")
+                          "memkit.calibrate.deepspeed_step for ZeRO / data parallel plans")
     if num_steps < 2:
         raise MemkitError(f"--steps {num_steps}: need >= 2 so the last step has optimizer states")
 

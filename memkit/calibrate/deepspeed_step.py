@@ -3,7 +3,7 @@
 Run as the worker of a multi-process launch, one process per rank:
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \\
-        -m memkit.measure.deepspeed_step --model-config cfg.json --plan plan.json --out DIR
+        -m memkit.calibrate.deepspeed_step --model-config cfg.json --plan plan.json --out DIR
 
 Each rank writes DIR/rank<r>.json. The tracker is active from before the model is built and
 before deepspeed.initialize, so DeepSpeed's flat fp32 partitions, gradient buckets and
@@ -33,7 +33,7 @@ def measure_deepspeed(model_config: dict, plan: TrainingPlan, *, num_steps: int 
     import torch.distributed as dist
 
     from memkit.emit.deepspeed import deepspeed_config
-    from memkit.measure.cpu_step import build_model, random_batch
+    from memkit.calibrate.cpu_step import build_model, random_batch
     from memkit.measure.live_tensors import LiveTensorTracker
 
     plan.validate()

@@ -2,7 +2,7 @@
 ../shared/calibration/published_throughput.jsonl (sources in SOURCES_THROUGHPUT.md next to it) to a
 ModelSpec, TrainingPlan(s) and a Hardware, and score the step-time model against it.
 
-The memory mapping (memkit/calibration.py) reads a different record schema; the helpers that apply
+The memory mapping (memkit/calibrate/published_memory.py) reads a different record schema; the helpers that apply
 to both (model configs outside the catalog, LoRA target names, sequence-classification heads) are
 reused from there. No printing, no file reading: benchmarks/throughput_accuracy.py renders this.
 
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from memkit.calibration import _CONFIG_DIRS, _lora_targets, _stack, as_sequence_classifier
+from memkit.calibrate.published_memory import _CONFIG_DIRS, _lora_targets, _stack, as_sequence_classifier
 from memkit.errors import MemkitError
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
 from memkit.plan import TrainingPlan
@@ -62,7 +62,7 @@ class ThroughputCase:
     second block checkpointed, priced as the mean of no AC and full AC)."""
     hardware: Hardware | None = None
     stack: Stack | None = None
-    """The source's software versions, as far as it states them (memkit/calibration.py _SOURCE_STACKS)."""
+    """The source's software versions, as far as it states them (memkit/calibrate/published_memory.py _SOURCE_STACKS)."""
     reduce_itemsize: int | None = None
     """Bytes per gradient element as the source's framework reduces it, where that is not the
     gradient's dtype (_reduce_itemsize)."""
@@ -284,7 +284,7 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
 def _lora_role_targets(model: ModelSpec, targets) -> tuple[str, ...]:
     """A list of linear roles (q, k, v, o, gate, up, down: the holdout records state torchtune's
     lora_attn_modules / apply_lora_to_mlp that way) as the spec's linear names; any other form goes
-    through memkit/calibration.py _lora_targets."""
+    through memkit/calibrate/published_memory.py _lora_targets."""
     by_role = {lin.role: lin.name for lin in model.layer_linears}
     if isinstance(targets, list) and targets and all(t in by_role for t in targets):
         return tuple(by_role[t] for t in targets)
