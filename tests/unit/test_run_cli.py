@@ -149,17 +149,20 @@ def test_train_and_verify_take_a_port_and_a_plan_folder(user, capsys):
     assert accelerate_config_for(plan_path("b"), None) == Path("b") / "accelerate.yaml"  # what verify --plan b uses
 
 
-@pytest.mark.xfail(reason='fails on the merged release (exit 2); not yet investigated', strict=False)
 def test_a_flag_replaces_the_recipes_other_unit(user, capsys):
     """--max-steps on a recipe that counts epochs (and --gpu-memory on one that names a GPU) replaces
-    the recipe's key instead of contradicting it."""
+    the recipe's key instead of contradicting it; the recipe's eval cadence (50) past the shorter run
+    becomes the eval at the end, said in one line (it was exit 2: --eval-every beyond --max-steps)."""
     assert main(["run", str(RECIPES / "chat-sft-1b.yaml"), "--model", "tiny", "--init", "random", "--data",
                  "train.jsonl", "--global-batch-size", "4", "--seq-len", "64", "--max-steps", "5",
                  "--gpu-memory", "24GiB", "--out", "r", "--dry-run"]) == 0
-    run_it = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Run it: "))
-    assert "--max-steps 5" in run_it and "--num-epochs" not in run_it
+    captured = capsys.readouterr()
+    run_it = next(line for line in captured.out.splitlines() if line.startswith("Run it: "))
+    assert "--max-steps 5" in run_it and "--num-epochs" not in run_it and "--eval-every 0" in run_it
+    assert "memkit: the recipe's training.eval_every 50 is beyond --max-steps 5" in captured.err
     saved = yaml.safe_load((user / "r" / "recipe.yaml").read_text())
     assert "num_epochs" not in saved["work"] and saved["budget"] == {"gpu_memory": "24GiB"}
+    assert saved["training"]["eval_every"] == 0
     assert json.loads((user / "r" / "plan.json").read_text())["hardware"]["gpu_memory_bytes"] == 24 * 2**30
 
 
