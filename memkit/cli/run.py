@@ -56,7 +56,8 @@ KEYS = (
     _key("data", "path", "--data", str, "train", "training data (any `memkit train --data` format)"),
     _key("data", "eval_data", "--eval-data", str, "train", "held-out data for the eval loss"),
     _key("data", "eval_fraction", "--eval-fraction", float, "train", "hold out this fraction of the data"),
-    _key("data", "packing", "--packing", str, "train", "on / off"),
+    _key("data", "packing", "--packing", str, "train", "isolated (default where the model allows it: each packed "
+         "example attends only to itself) / on (packed examples see the earlier ones) / off"),
     _key("data", "truncate", "--truncate", bool, "train", "cut an example longer than seq_len to its first seq_len "
          "tokens (default: refuse it)"),
     _key("budget", "gpu", "--gpu", str, "suggest", "GPU name (memkit gpus)"),
@@ -168,6 +169,13 @@ def merged(args: argparse.Namespace) -> dict:
             other = ALTERNATIVES.get(_dest(key))
             if other and getattr(args, other) is None:  # --max-steps on a recipe of epochs: the flag's unit wins
                 values.pop(other, None)
+    steps, every = values.get("max_steps"), values.get("eval_every")
+    if steps is not None and every and every > steps and args.eval_every is None:
+        # a shorter run than the recipe's eval cadence: its eval at the end (memkit.validate refuses
+        # --eval-every past --max-steps when the user passed both)
+        values["eval_every"] = 0
+        print(f"memkit: the recipe's training.eval_every {every} is beyond --max-steps {steps}: the eval loss "
+              "is taken at the end only (--eval-every N for another cadence)", file=sys.stderr)
     return values
 
 
