@@ -90,6 +90,60 @@ class PackedData:
 
 # ---- tokenizing and packing -----------------------------------------------------------------
 
+_RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "Rwkv")
+"""Layers that carry a state along the sequence (a hybrid's SSM / linear-attention blocks): an
+example after another in a packed row would still see it through that state, whatever the mask."""
+
+
+def isolation_unsupported(model_config) -> str | None:
+    """None when `--packing isolated` keeps each example to itself on this model, else why not.
+    Isolation needs the causal LM to take position_ids and to build its mask with transformers'
+    masking_utils (create_causal_mask / create_sliding_window_causal_mask), which turns positions
+    restarting at 0 into a block-diagonal mask (masking_utils._preprocess_mask_arguments ->
+    find_packed_sequence_indices); measured on the tiny Llama: tests/unit/test_packing_isolated.py."""
+    import importlib
+    import inspect
+
+    from transformers import masking_utils
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model_config, "model_type", None)
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if cls_name is None:
+        return f"{model_type} is not a transformers causal LM"
+    name = model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        return f"transformers has no modeling_{name} module"
+    if "position_ids" not in inspect.signature(getattr(module, cls_name).forward).parameters:
+        return f"{cls_name} takes no position_ids"
+    makers = (masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask)
+    if not any(any(getattr(module, attr) is maker for maker in makers) for attr in dir(module)):
+        return f"{cls_name} does not build its mask with transformers.masking_utils"
+    recurrent = [attr for attr in dir(module) if any(m in attr for m in _RECURRENT_MIXERS)]
+    if recurrent:
+        return f"{cls_name} has recurrent layers ({recurrent[0]}) that carry state across examples"
+    return None
+
+
+def resolve_packing(choice: str | None, model_config, *, pipeline: bool = False) -> tuple[str, str]:
+    """(--packing mode, a note for the run start) for the flag as given (None: the default).
+    The default packs examples isolated (each attends only to itself) where the model allows it,
+    else `on` (examples see the earlier ones in their row), and says which and why. pipeline: a
+    pp > 1 plan, whose stages get input ids only (memkit.train.parallel.PipelineRunner.step)."""
+    why = "the pipeline stages take no position ids" if pipeline else isolation_unsupported(model_config)
+    if choice == "isolated" and why is not None:
+        raise MemkitError(f"--packing isolated: {why}; use --packing on (packed examples attend to the earlier "
+                          "ones) or --packing off (one example per sequence)")
+    if choice is not None:
+        return choice, ""
+    if why is None:
+        return "isolated", "the default; --packing on lets packed examples attend to the earlier ones"
+    return "on", f"the default, as {why}: packed examples attend to the earlier ones (--packing off keeps them apart)"
+
+
 def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
                  seed: int = 0, packing: bool = True, eval_source: str | None = None,
                  eval_fraction: float = 0.0, truncate: bool = False, isolate: bool = False) -> PackedData:

@@ -50,7 +50,7 @@ from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_conf
 from memkit.train import split_checkpoint
 from memkit.train.chunked_loss import find_head
 from memkit.train.backward_techniques import activation_context
-from memkit.train.techniques import micro_loss_sum
+from memkit.train.techniques import mask_kwargs, micro_loss_sum
 
 EXIT_OOM = 3
 STOP_SIGNALS = tuple(EXIT_SIGNAL)
@@ -678,8 +678,9 @@ def _evaluate(st: _Run) -> float | None:
             valid = torch.as_tensor(positions < evaluation.num_sequences)
             batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
             labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
-            logits = st.model(input_ids=batch["input_ids"].to(device),
-                              attention_mask=batch["attention_mask"].to(device)).logits
+            logits = st.model(input_ids=batch["input_ids"].to(device),  # masked as the training steps are
+                              **{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                 for k, v in mask_kwargs(batch).items()}).logits
             if not st.layout.tp_rank:  # a TP group saw one batch: count it once
                 totals[0] += float(causal_lm_loss_sum(logits, labels))
                 totals[1] += float((labels[:, 1:] != IGNORE_INDEX).sum())
