@@ -186,6 +186,42 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
 
 
+SEQ_LEN_MULTIPLE = 64
+"""--seq-len from the data is rounded up to this: GEMM shapes that fill whole tiles (NVIDIA, "Matrix
+Multiplication Background User's Guide", Tile Quantization: a dimension one past a multiple of the
+tile size costs a whole extra tile; cuBLAS tiles are 64 or 128 wide)."""
+TEXT_SEQ_LEN_CAP = 2048
+"""A text stream is cut into sequences of any length; from the data it gets at most `memkit suggest`'s
+default --seq-len (memkit/cli/suggest.py)."""
+
+
+def seq_len_from_data(source: str, tokenizer, *, max_positions: int | None) -> tuple[int, str]:
+    """(--seq-len, the line that says where it came from): the longest tokenized example (prompt +
+    answer, or a conversation, with its EOS) rounded up to SEQ_LEN_MULTIPLE, so that no example is
+    refused or cut; at most max_position_embeddings (then the longer ones need --truncate). Text
+    documents: the same, at most TEXT_SEQ_LEN_CAP (a stream is packed across documents anyway)."""
+    import math
+
+    if _is_synthetic(source):
+        raise MemkitError(f"--seq-len from-data: --data {source} is synthetic and has no lengths; pass --seq-len N")
+    kind, records = read_records(source)
+    lengths = sorted(len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}"))
+    longest, p99 = lengths[-1], lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
+    seq_len = math.ceil(longest / SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE
+    why = f"the longest of {len(lengths):,} {kind} records is {longest:,} tokens (p99 {p99:,}), rounded up " \
+          f"to a multiple of {SEQ_LEN_MULTIPLE}"
+    caps = [(TEXT_SEQ_LEN_CAP, "text is packed as one stream, so sequences need not hold a whole document")] \
+        if kind == "text" else []
+    if max_positions is not None:
+        caps.append((max_positions, f"the model's max_position_embeddings; {sum(n > max_positions for n in lengths):,} "
+                                    "longer record(s) need --truncate"))
+    for cap, because in sorted(caps):
+        if seq_len > cap:
+            seq_len, why = cap, f"{why}, capped at {cap:,} ({because})"
+            break
+    return seq_len, f"--seq-len {seq_len} from the data: {why}"
+
+
 def _is_synthetic(source: str) -> bool:
     return source == SYNTHETIC or source.startswith(SYNTHETIC + ":")
 
