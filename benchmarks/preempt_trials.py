@@ -68,13 +68,7 @@ def _signal_during_save(proc, run_dir: Path, step: int, sig: int) -> list[int]:
     while not tmp.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its save"
         time.sleep(0.005)
-    tree = [proc.pid, *tp.descendants(proc.pid)]
-    for pid in tree:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return tree
+    return tp._signal_everything_at(proc, run_dir, 0, sig)  # step 0: at once
 
 
 def run_trial(setup, root: Path, trial: Trial, sig: int) -> Row:
