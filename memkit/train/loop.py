@@ -195,8 +195,13 @@ class StopFlag:
         self.received.add(signum)
 
     def flags(self) -> list[float]:
-        """One 0/1 per signal of SIGNALS, for the step-boundary all-reduce."""
-        return [1.0 if sig in self.received else 0.0 for sig in self.SIGNALS]
+        """One 0/1 per signal of SIGNALS, for the step-boundary all-reduce: 1 for the first signal this
+        rank got only. A later one within the grace is a copy of the same stop: torchrun relays a
+        SIGUSR1, and when its own second copy arrives inside that wait, its `finally` shuts the workers
+        down with the default SIGTERM (torch/distributed/elastic/agent/server/api.py, SimpleElasticAgent
+        .run; local_elastic_agent.py, _shutdown(death_sig=SIGTERM)); counted, it turned a SIGUSR1 stop
+        into a SIGTERM one (exit 143, measured by benchmarks/preempt_trials.py)."""
+        return [1.0 if sig == self.signum else 0.0 for sig in self.SIGNALS]
 
     def restore(self) -> None:
         global _ACTIVE
