@@ -211,6 +211,7 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         f"export MEMKIT_MASTER_PORT={port}",
         # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.train.supervise.launcher_env).
         f'export TORCHELASTIC_SIGNALS_TO_HANDLE="${{TORCHELASTIC_SIGNALS_TO_HANDLE:-{TORCHELASTIC_SIGNALS}}}"',
+        'export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-$TORCHELASTIC_SIGNALS_TO_HANDLE}"  # torchrun\'s flag',
         _args_array(finetune_args),
         "REQUEUE=0",
         "on_usr1() {",

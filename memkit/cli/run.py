@@ -33,6 +33,7 @@ from memkit.errors import MemkitError, did_you_mean
 
 HELP = "plan, write the bundle and train in one command, from a recipe YAML or flags (--resume DIR continues)"
 RECIPE_FILE = "recipe.yaml"
+FROM_DATA = "from-data"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,8 @@ KEYS = (
     _key("data", "path", "--data", str, "train", "training data (any `memkit train --data` format)"),
     _key("data", "eval_data", "--eval-data", str, "train", "held-out data for the eval loss"),
     _key("data", "eval_fraction", "--eval-fraction", float, "train", "hold out this fraction of the data"),
-    _key("data", "packing", "--packing", str, "train", "on / off"),
+    _key("data", "packing", "--packing", str, "train", "isolated (default where the model allows it: each packed "
+         "example attends only to itself) / on (packed examples see the earlier ones) / off"),
     _key("data", "truncate", "--truncate", bool, "train", "cut an example longer than seq_len to its first seq_len "
          "tokens (default: refuse it)"),
     _key("budget", "gpu", "--gpu", str, "suggest", "GPU name (memkit gpus)"),
@@ -65,7 +67,8 @@ KEYS = (
     _key("budget", "num_nodes", "--num-nodes", int, "suggest", "nodes (default 1)"),
     _key("budget", "host_ram", "--host-ram", str, "suggest", "host RAM per node"),
     _key("work", "global_batch_size", "--global-batch-size", int, "suggest", "sequences per optimizer step"),
-    _key("work", "seq_len", "--seq-len", int, "suggest", "tokens per sequence (default 2048)"),
+    _key("work", "seq_len", "--seq-len", int, "suggest", "tokens per sequence, or from-data (the default: the "
+         "longest tokenized example rounded up to a multiple of 64, memkit.train.data.seq_len_from_data)"),
     _key("work", "num_epochs", "--num-epochs", float, "train", "passes over the data"),
     _key("work", "max_steps", "--max-steps", int, "train", "optimizer steps instead of epochs"),
     _key("training", "lr", "--lr", float, "train", "peak LR (default: 2e-5 full, 2e-4 LoRA; memkit.train.config)"),
@@ -107,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if key.kind is bool:  # a switch: the flag alone, `true` in the YAML
             g.add_argument(key.flag, action="store_true", default=None, help=f"{key.section}.{key.name}: {key.help}")
         else:
-            g.add_argument(key.flag, type=key.kind, default=None, help=f"{key.section}.{key.name}: {key.help}")
+            g.add_argument(key.flag, type=_seq_len_arg if key.name == "seq_len" else key.kind, default=None,
+                           help=f"{key.section}.{key.name}: {key.help}")
 
 
 def read_recipe(path: str) -> dict:
@@ -141,6 +145,8 @@ def read_recipe(path: str) -> dict:
 def _typed(key: Key, value, path: str):
     if value is None:
         return None
+    if key.name == "seq_len" and str(value).strip().lower() == FROM_DATA:
+        return FROM_DATA
     if key.name == "packing" and isinstance(value, bool):  # YAML 1.1 reads `on` / `off` as booleans
         return "on" if value else "off"
     if key.kind is str and isinstance(value, (list, tuple)):  # lora_targets: [q_proj, v_proj]
@@ -168,6 +174,13 @@ def merged(args: argparse.Namespace) -> dict:
             other = ALTERNATIVES.get(_dest(key))
             if other and getattr(args, other) is None:  # --max-steps on a recipe of epochs: the flag's unit wins
                 values.pop(other, None)
+    steps, every = values.get("max_steps"), values.get("eval_every")
+    if steps is not None and every and every > steps and args.eval_every is None:
+        # a shorter run than the recipe's eval cadence: its eval at the end (memkit.validate refuses
+        # --eval-every past --max-steps when the user passed both)
+        values["eval_every"] = 0
+        print(f"memkit: the recipe's training.eval_every {every} is beyond --max-steps {steps}: the eval loss "
+              "is taken at the end only (--eval-every N for another cadence)", file=sys.stderr)
     return values
 
 
@@ -207,9 +220,36 @@ def run(args: argparse.Namespace) -> int:
         raise MemkitError("no GPU: set budget.gpu (--gpu, see `memkit gpus`) or budget.gpu_memory (--gpu-memory)")
     from memkit.validate import check_data
 
-    check_data(values["data"], seq_len=values.get("seq_len"))
+    check_data(values["data"], seq_len=values["seq_len"] if isinstance(values.get("seq_len"), int) else None)
+    if values.get("seq_len") in (None, FROM_DATA):
+        values["seq_len"] = _seq_len_from_data(values)
     out = values.pop("out", None) or default_out(values, args.recipe)
     return _plan_and_train(values, out, args)
+
+
+def _seq_len_arg(text: str) -> int | str:
+    """--seq-len N or --seq-len from-data."""
+    if text.strip().lower() == FROM_DATA:
+        return FROM_DATA
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or {FROM_DATA}") from None
+
+
+def _seq_len_from_data(values: dict) -> int:
+    """The sequence length the data needs, tokenized by the tokenizer the run will use (the model
+    folder's, else memkit's byte tokenizer: memkit.train.main.prepare); said in one line."""
+    from memkit.train.data import seq_len_from_data
+    from memkit.train.model import load_config, max_positions, resolve_model
+    from memkit.train.tokenizer import load_tokenizer
+
+    source = resolve_model(str(values["model"]))
+    config = load_config(source)
+    seq_len, line = seq_len_from_data(values["data"], load_tokenizer(source.folder, vocab_size=config.vocab_size),
+                                      max_positions=max_positions(config))
+    print(f"memkit: {line}", file=sys.stderr)
+    return seq_len
 
 
 def _plan_and_train(values: dict, out: str, args: argparse.Namespace) -> int:

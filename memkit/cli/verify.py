@@ -130,11 +130,16 @@ def _check_op_builds(plan, acc: dict, config_file: Path) -> None:
 
 
 def _run(cmd: list[str], log_path: Path, *, timeout_s: int) -> tuple[str, int | None]:
-    """Run the launch; SIGTERM/SIGINT stop the launcher and its ranks (memkit.train.supervise)."""
-    from memkit.train.supervise import Supervisor
+    """Run the launch; SIGTERM/SIGINT/SIGUSR1 stop the launcher and its ranks (memkit.train.supervise),
+    the launcher relaying each to the ranks as under `memkit train` (launcher_env: torchrun handles
+    SIGUSR1 instead of dying of it and waits the ranks' grace)."""
+    from memkit.train.supervise import SHUTDOWN_MARGIN_S, Supervisor, launcher_env
+    from memkit.train.config import DEFAULT_PREEMPT_GRACE_S
 
+    env = launcher_env(child_env(), preempt_grace_s=DEFAULT_PREEMPT_GRACE_S)
     with open(log_path, "w") as log:
-        return Supervisor(cmd, env=child_env(), stdout=log, grace_s=30.0).run(timeout_s=timeout_s)
+        return Supervisor(cmd, env=env, stdout=log, grace_s=DEFAULT_PREEMPT_GRACE_S + 2 * SHUTDOWN_MARGIN_S).run(
+            timeout_s=timeout_s)
 
 
 def _read_report(report_path: Path, out_dir: Path) -> dict | None:

@@ -90,6 +90,60 @@ class PackedData:
 
 # ---- tokenizing and packing -----------------------------------------------------------------
 
+_RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "Rwkv")
+"""Layers that carry a state along the sequence (a hybrid's SSM / linear-attention blocks): an
+example after another in a packed row would still see it through that state, whatever the mask."""
+
+
+def isolation_unsupported(model_config) -> str | None:
+    """None when `--packing isolated` keeps each example to itself on this model, else why not.
+    Isolation needs the causal LM to take position_ids and to build its mask with transformers'
+    masking_utils (create_causal_mask / create_sliding_window_causal_mask), which turns positions
+    restarting at 0 into a block-diagonal mask (masking_utils._preprocess_mask_arguments ->
+    find_packed_sequence_indices); measured on the tiny Llama: tests/unit/test_packing_isolated.py."""
+    import importlib
+    import inspect
+
+    from transformers import masking_utils
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model_config, "model_type", None)
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if cls_name is None:
+        return f"{model_type} is not a transformers causal LM"
+    name = model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        return f"transformers has no modeling_{name} module"
+    if "position_ids" not in inspect.signature(getattr(module, cls_name).forward).parameters:
+        return f"{cls_name} takes no position_ids"
+    makers = (masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask)
+    if not any(any(getattr(module, attr) is maker for maker in makers) for attr in dir(module)):
+        return f"{cls_name} does not build its mask with transformers.masking_utils"
+    recurrent = [attr for attr in dir(module) if any(m in attr for m in _RECURRENT_MIXERS)]
+    if recurrent:
+        return f"{cls_name} has recurrent layers ({recurrent[0]}) that carry state across examples"
+    return None
+
+
+def resolve_packing(choice: str | None, model_config, *, pipeline: bool = False) -> tuple[str, str]:
+    """(--packing mode, a note for the run start) for the flag as given (None: the default).
+    The default packs examples isolated (each attends only to itself) where the model allows it,
+    else `on` (examples see the earlier ones in their row), and says which and why. pipeline: a
+    pp > 1 plan, whose stages get input ids only (memkit.train.parallel.PipelineRunner.step)."""
+    why = "the pipeline stages take no position ids" if pipeline else isolation_unsupported(model_config)
+    if choice == "isolated" and why is not None:
+        raise MemkitError(f"--packing isolated: {why}; use --packing on (packed examples attend to the earlier "
+                          "ones) or --packing off (one example per sequence)")
+    if choice is not None:
+        return choice, ""
+    if why is None:
+        return "isolated", "the default; --packing on lets packed examples attend to the earlier ones"
+    return "on", f"the default, as {why}: packed examples attend to the earlier ones (--packing off keeps them apart)"
+
+
 def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
                  seed: int = 0, packing: bool = True, eval_source: str | None = None,
                  eval_fraction: float = 0.0, truncate: bool = False, isolate: bool = False) -> PackedData:
@@ -130,6 +184,42 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     data = _tokenize_and_pack(kind, records, tokenizer, seq_len=seq_len, packing=packing, source=source,
                               what=f"--data {source}", truncate=truncate, isolate=isolate)
     return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
+
+
+SEQ_LEN_MULTIPLE = 64
+"""--seq-len from the data is rounded up to this: GEMM shapes that fill whole tiles (NVIDIA, "Matrix
+Multiplication Background User's Guide", Tile Quantization: a dimension one past a multiple of the
+tile size costs a whole extra tile; cuBLAS tiles are 64 or 128 wide)."""
+TEXT_SEQ_LEN_CAP = 2048
+"""A text stream is cut into sequences of any length; from the data it gets at most `memkit suggest`'s
+default --seq-len (memkit/cli/suggest.py)."""
+
+
+def seq_len_from_data(source: str, tokenizer, *, max_positions: int | None) -> tuple[int, str]:
+    """(--seq-len, the line that says where it came from): the longest tokenized example (prompt +
+    answer, or a conversation, with its EOS) rounded up to SEQ_LEN_MULTIPLE, so that no example is
+    refused or cut; at most max_position_embeddings (then the longer ones need --truncate). Text
+    documents: the same, at most TEXT_SEQ_LEN_CAP (a stream is packed across documents anyway)."""
+    import math
+
+    if _is_synthetic(source):
+        raise MemkitError(f"--seq-len from-data: --data {source} is synthetic and has no lengths; pass --seq-len N")
+    kind, records = read_records(source)
+    lengths = sorted(len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}"))
+    longest, p99 = lengths[-1], lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
+    seq_len = math.ceil(longest / SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE
+    why = f"the longest of {len(lengths):,} {kind} records is {longest:,} tokens (p99 {p99:,}), rounded up " \
+          f"to a multiple of {SEQ_LEN_MULTIPLE}"
+    caps = [(TEXT_SEQ_LEN_CAP, "text is packed as one stream, so sequences need not hold a whole document")] \
+        if kind == "text" else []
+    if max_positions is not None:
+        caps.append((max_positions, f"the model's max_position_embeddings; {sum(n > max_positions for n in lengths):,} "
+                                    "longer record(s) need --truncate"))
+    for cap, because in sorted(caps):
+        if seq_len > cap:
+            seq_len, why = cap, f"{why}, capped at {cap:,} ({because})"
+            break
+    return seq_len, f"--seq-len {seq_len} from the data: {why}"
 
 
 def _is_synthetic(source: str) -> bool:

@@ -50,7 +50,7 @@ from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_conf
 from memkit.train import split_checkpoint
 from memkit.train.chunked_loss import find_head
 from memkit.train.backward_techniques import activation_context
-from memkit.train.techniques import micro_loss_sum
+from memkit.train.techniques import mask_kwargs, micro_loss_sum
 
 EXIT_OOM = 3
 STOP_SIGNALS = tuple(EXIT_SIGNAL)
@@ -195,8 +195,13 @@ class StopFlag:
         self.received.add(signum)
 
     def flags(self) -> list[float]:
-        """One 0/1 per signal of SIGNALS, for the step-boundary all-reduce."""
-        return [1.0 if sig in self.received else 0.0 for sig in self.SIGNALS]
+        """One 0/1 per signal of SIGNALS, for the step-boundary all-reduce: 1 for the first signal this
+        rank got only. A later one within the grace is a copy of the same stop: torchrun relays a
+        SIGUSR1, and when its own second copy arrives inside that wait, its `finally` shuts the workers
+        down with the default SIGTERM (torch/distributed/elastic/agent/server/api.py, SimpleElasticAgent
+        .run; local_elastic_agent.py, _shutdown(death_sig=SIGTERM)); counted, it turned a SIGUSR1 stop
+        into a SIGTERM one (exit 143, measured by benchmarks/preempt_trials.py)."""
+        return [1.0 if sig == self.signum else 0.0 for sig in self.SIGNALS]
 
     def restore(self) -> None:
         global _ACTIVE
@@ -678,8 +683,9 @@ def _evaluate(st: _Run) -> float | None:
             valid = torch.as_tensor(positions < evaluation.num_sequences)
             batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
             labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
-            logits = st.model(input_ids=batch["input_ids"].to(device),
-                              attention_mask=batch["attention_mask"].to(device)).logits
+            logits = st.model(input_ids=batch["input_ids"].to(device),  # masked as the training steps are
+                              **{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                 for k, v in mask_kwargs(batch).items()}).logits
             if not st.layout.tp_rank:  # a TP group saw one batch: count it once
                 totals[0] += float(causal_lm_loss_sum(logits, labels))
                 totals[1] += float((labels[:, 1:] != IGNORE_INDEX).sum())

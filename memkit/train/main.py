@@ -83,9 +83,10 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     c.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --output-dir (default: refuse)")
     d = p.add_argument_group("data")
-    d.add_argument("--packing", choices=("on", "off", "isolated"), default="on",
-                   help="on: fill each sequence with several documents/examples; off: one per sequence; "
-                        "isolated: pack examples, each attending only to itself (per-example position ids)")
+    d.add_argument("--packing", choices=("on", "off", "isolated"), default=None,
+                   help="isolated: pack examples, each attending only to itself (per-example position ids; the "
+                        "default where the model allows it); on: fill each sequence with several documents/"
+                        "examples, a packed example attending to the earlier ones; off: one per sequence")
     d.add_argument("--truncate", action="store_true",
                    help="cut an example longer than --seq-len to its first --seq-len tokens (default: refuse it)")
     d.add_argument("--eval-data", help="held-out data (any --data format) for the eval loss")
@@ -121,6 +122,9 @@ class Prepared:
     data: Any
     init_note: str = ""
     """One line on where the weights come from (pretrained folder, or fresh with the reason)."""
+    packing: str = "on"
+    """--packing as run (the default resolved: memkit.train.data.resolve_packing), and why when defaulted."""
+    packing_note: str = ""
 
 
 def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
@@ -168,10 +172,15 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     from memkit.train.loggers import check_report_to
 
     check_report_to(args.report_to)
+    from memkit.train.data import resolve_packing
+
+    packing, packing_note = resolve_packing(args.packing, config, pipeline=plan is not None and plan.pp > 1)
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
-                        vocab_size=config.vocab_size, seed=args.seed, packing=args.packing != "off",
+                        vocab_size=config.vocab_size, seed=args.seed, packing=packing != "off",
                         eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate,
-                        isolate=args.packing == "isolated")
+                        isolate=packing == "isolated")
+    if packing_note and data.kind == "text":  # isolation is for examples; a text stream packs GPT-style
+        packing, packing_note = "on", "the default for text"
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
     accum = flags["grad_accum"] or (plan.grad_accum if plan else 1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -200,7 +209,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     if flags["seq_len"] is None and plan is None:
         flags["seq_len"] = seq_len
     return Prepared(plan=plan, plan_doc=plan_doc, flags=flags, run=run, source=source, model_config=config,
-                    tokenizer=tokenizer, data=data, init_note=init_note)
+                    tokenizer=tokenizer, data=data, init_note=init_note, packing=packing, packing_note=packing_note)
 
 
 PACKING_RULES = {
@@ -218,7 +227,7 @@ PACKING_RULES = {
 """What --packing does to each kind of data (memkit.train.data._pack_text / _pack_examples / _one_per_row)."""
 
 
-def start_lines(prepared: "Prepared", *, world: int, packing) -> list[str]:
+def start_lines(prepared: "Prepared", *, world: int, packing, packing_note: str = "") -> list[str]:
     """What the run will do, printed before it starts: data, epochs and steps, tokens per step,
     packing and its boundary rule, eval and checkpoint cadence, where the logs go."""
     from memkit.train.config import steps_for_epochs
@@ -243,7 +252,7 @@ def start_lines(prepared: "Prepared", *, world: int, packing) -> list[str]:
     if data.kind != "synthetic":
         rule = PACKING_RULES[("text" if data.kind == "text" else "examples", packing)]
         shown = packing if isinstance(packing, str) else ("on" if packing else "off")
-        lines.append(f"packing {shown}: {rule.format(L=data.seq_len)}")
+        lines.append(f"packing {shown}{f' ({packing_note})' if packing_note else ''}: {rule.format(L=data.seq_len)}")
     if data.eval is not None:
         every = f"every {run.eval_every} steps and at the end" if run.eval_every else "at the end"
         lines.append(f"eval: {every}, on {data.eval.num_sequences:,} sequences of {data.eval.source}")
@@ -333,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and prepared.init_note:
         sys.stderr.write(f"finetune: weights: {prepared.init_note}\n")
     if rank == 0:
-        packing = {"on": True, "off": False}.get(args.packing, args.packing)
-        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=packing):
+        packing = {"on": True, "off": False}.get(prepared.packing, prepared.packing)
+        for line in start_lines(prepared, world=int(os.environ.get("WORLD_SIZE", "1")), packing=packing,
+                                packing_note=prepared.packing_note):
             sys.stderr.write(f"memkit: {line}\n")
 
     import torch

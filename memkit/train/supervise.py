@@ -16,8 +16,14 @@ same signal twice (from the scheduler and from whoever started it); a repeat wit
 period is ignored, as the ranks ignore theirs (memkit.train.loop.StopFlag), and only one later
 than that stops the tree now. SIGUSR1 (checkpoint-and-exit) reaches the ranks only if the
 launcher relays it instead of dying of it (SIGUSR1's default action): launcher_env() adds it to
-torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE (torch/distributed/elastic/multiprocessing/api.py,
-PContext.start; default SIGTERM,SIGINT,SIGHUP,SIGQUIT).
+the signals torchrun handles. PContext.start (torch/distributed/elastic/multiprocessing/api.py)
+reads TORCHELASTIC_SIGNALS_TO_HANDLE, but since torchrun grew --signals-to-handle the launcher
+overwrites that variable with the flag's value (torch/distributed/launcher/api.py, launch_agent:
+os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle), whose default comes from
+PET_SIGNALS_TO_HANDLE (torch/distributed/run.py, get_args_parser: action=env reads PET_<DEST>;
+`accelerate launch` builds its torchrun arguments from that parser, accelerate/commands/launch.py
+_filter_args). Both are set: measured on torch 2.13, TORCHELASTIC_SIGNALS_TO_HANDLE alone left
+torchrun dying of SIGUSR1 (tests/unit/test_verify_signals.py).
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ def launcher_env(env: dict, *, preempt_grace_s: float) -> dict:
     (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch/distributed/launcher/api.py, LaunchConfig) at least
     the grace plus a margin before its SIGKILL. Values the user set are kept."""
     out = dict(env)
-    out.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHELASTIC_SIGNALS)
+    out.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHELASTIC_SIGNALS)  # torch before --signals-to-handle
+    out.setdefault("PET_SIGNALS_TO_HANDLE", out["TORCHELASTIC_SIGNALS_TO_HANDLE"])  # torchrun's flag (module doc)
     out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(preempt_grace_s + SHUTDOWN_MARGIN_S)))
     return out
 

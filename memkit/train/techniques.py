@@ -83,15 +83,21 @@ def apply_loss(model, plan: TrainingPlan):
     return apply_chunked_loss(model, fused=plan.loss == "fused")
 
 
+def mask_kwargs(batch: dict) -> dict:
+    """The forward's mask arguments for a batch: --packing isolated's per-example position ids, no
+    2D mask and no KV cache, from which transformers builds the block-diagonal causal mask
+    (masking_utils._preprocess_mask_arguments: only when attention_mask and the cache are None;
+    memkit.train.data.PackedData.position_ids); else the padding mask."""
+    if batch.get("position_ids") is not None:
+        return {"position_ids": batch["position_ids"], "use_cache": False}
+    return {"attention_mask": batch.get("attention_mask")}
+
+
 def micro_loss_sum(model, head, batch: dict, standard_loss_sum):
     """Sum of the micro-batch's token losses: through the chunked head, or the model's logits
     and `standard_loss_sum(logits, labels)`."""
-    # --packing isolated: per-example position ids, no 2D mask and no KV cache, from which transformers
-    # builds the block-diagonal causal mask (masking_utils._preprocess_mask_arguments: only when
-    # attention_mask and the cache are None; memkit.train.data.PackedData.position_ids)
     isolated = batch.get("position_ids") is not None
-    mask = ({"position_ids": batch["position_ids"], "use_cache": False} if isolated
-            else {"attention_mask": batch.get("attention_mask")})
+    mask = mask_kwargs(batch)
     if head is None:
         logits = model(input_ids=batch["input_ids"], **mask).logits
         return standard_loss_sum(logits, batch["labels"])

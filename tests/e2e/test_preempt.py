@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -168,14 +167,17 @@ def test_signal_during_a_save(setup, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MEMKIT_LONG_TRIALS") != "1",
-                    reason="20 launches (~1 min each on 2 cores): MEMKIT_LONG_TRIALS=1 runs them; not yet run to the end")
+                    reason="20 launches and their resumes (~1 min each on 2 cores): MEMKIT_LONG_TRIALS=1 runs them "
+                           "(or benchmarks/preempt_trials.py, which prints the table)")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_ten_trials_at_random_steps(setup, tmp_path, sig):
-    """10 trials per signal at seeded random steps 1..7, every third through `memkit train`."""
-    rng = random.Random(28 + int(sig))
-    for trial in range(10):
-        step = rng.randint(1, 7)
-        _trial(setup, tmp_path / f"t{trial}", step=step, sig=sig, via_train=trial % 3 == 0)
+    """10 trials per signal at seeded random steps 1..7, every third through `memkit train`, one
+    while a checkpoint is being written (benchmarks/preempt_trials.py: the same trials as a table)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from preempt_trials import run_trial, table, trials
+
+    rows = [run_trial(setup, tmp_path, trial, sig) for trial in trials(sig)]
+    assert all(r.ok for r in rows), table(rows)
 
 
 def test_time_cadence_checkpoints_without_a_signal(setup, tmp_path):

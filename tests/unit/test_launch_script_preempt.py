@@ -82,6 +82,7 @@ def test_slurm_script_requests_the_warning_and_requeue(tmp_path, capsys):
     assert 'ARGS=(--plan ' in text and text.split("ARGS=(", 1)[1].split(")", 1)[0].split()[-1] == "--resume"
     assert 'TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"' \
         in text
+    assert 'export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-$TORCHELASTIC_SIGNALS_TO_HANDLE}"' in text  # torchrun's flag
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
     assert _sbatch_options(_write(tmp_path, "--signal-lead", "300").read_text())["--signal"] == "B:USR1@300"
     capsys.readouterr()

@@ -149,17 +149,20 @@ def test_train_and_verify_take_a_port_and_a_plan_folder(user, capsys):
     assert accelerate_config_for(plan_path("b"), None) == Path("b") / "accelerate.yaml"  # what verify --plan b uses
 
 
-@pytest.mark.xfail(reason='fails on the merged release (exit 2); not yet investigated', strict=False)
 def test_a_flag_replaces_the_recipes_other_unit(user, capsys):
     """--max-steps on a recipe that counts epochs (and --gpu-memory on one that names a GPU) replaces
-    the recipe's key instead of contradicting it."""
+    the recipe's key instead of contradicting it; the recipe's eval cadence (50) past the shorter run
+    becomes the eval at the end, said in one line (it was exit 2: --eval-every beyond --max-steps)."""
     assert main(["run", str(RECIPES / "chat-sft-1b.yaml"), "--model", "tiny", "--init", "random", "--data",
                  "train.jsonl", "--global-batch-size", "4", "--seq-len", "64", "--max-steps", "5",
                  "--gpu-memory", "24GiB", "--out", "r", "--dry-run"]) == 0
-    run_it = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Run it: "))
-    assert "--max-steps 5" in run_it and "--num-epochs" not in run_it
+    captured = capsys.readouterr()
+    run_it = next(line for line in captured.out.splitlines() if line.startswith("Run it: "))
+    assert "--max-steps 5" in run_it and "--num-epochs" not in run_it and "--eval-every 0" in run_it
+    assert "memkit: the recipe's training.eval_every 50 is beyond --max-steps 5" in captured.err
     saved = yaml.safe_load((user / "r" / "recipe.yaml").read_text())
     assert "num_epochs" not in saved["work"] and saved["budget"] == {"gpu_memory": "24GiB"}
+    assert saved["training"]["eval_every"] == 0
     assert json.loads((user / "r" / "plan.json").read_text())["hardware"]["gpu_memory_bytes"] == 24 * 2**30
 
 
@@ -186,3 +189,33 @@ def test_the_printed_train_line_refuses_bad_data_in_one_line(data, message, user
     line = _one_line(capsys)
     assert re.search(message, line), line
     assert not (user / "b" / "run").exists()
+
+
+@pytest.mark.parametrize("given", [[], ["--seq-len", "from-data"]])
+def test_seq_len_from_the_data(user, capsys, given):
+    """No --seq-len (or --seq-len from-data): the longest tokenized example, rounded up to a multiple
+    of 64, stated in one line, planned and saved in the recipe (a resume uses the same)."""
+    from memkit.train.data import prepare_data
+    from memkit.train.tokenizer import byte_tokenizer
+
+    assert main(["run", "--model", "tiny", "--init", "random", "--gpu", "a100-80gb", "--global-batch-size", "2",
+                 "--data", "train.jsonl", "--out", "s", "--dry-run", *given]) == 0
+    longest = max(len(p) + len(c) + 1 for p, c in ((f"What is {i} plus {i}?", f" {2 * i}.") for i in range(20)))
+    assert longest == 24  # byte tokens: prompt + completion + EOS; 20 rows
+    err = capsys.readouterr().err
+    assert ("memkit: --seq-len 64 from the data: the longest of 20 prompt_completion records is 24 tokens (p99 24), "
+            "rounded up to a multiple of 64") in err
+    assert json.loads((user / "s" / "plan.json").read_text())["plan"]["seq_len"] == 64
+    assert yaml.safe_load((user / "s" / "recipe.yaml").read_text())["work"]["seq_len"] == 64
+    assert prepare_data(str(user / "train.jsonl"), byte_tokenizer(), seq_len=64, max_positions=256,
+                        vocab_size=320).num_sequences >= 1
+
+
+def test_seq_len_from_the_data_is_capped_by_the_model(user, capsys):
+    (user / "long.jsonl").write_text("".join(json.dumps({"prompt": "word " * 60, "completion": " ok"}) + "\n"
+                                             for _ in range(3)))
+    assert main(["run", "--model", "tiny", "--init", "random", "--gpu", "a100-80gb", "--global-batch-size", "2",
+                 "--data", "long.jsonl", "--truncate", "--out", "c", "--dry-run"]) == 0
+    assert ("--seq-len 256 from the data: the longest of 3 prompt_completion records is 304 tokens (p99 304), rounded "
+            "up to a multiple of 64, capped at 256 (the model's max_position_embeddings; 3 longer record(s) need "
+            "--truncate)") in capsys.readouterr().err
