@@ -74,8 +74,6 @@ def training_arguments(plan, *, output_dir: str, lr: float = DEFAULT_LR, weight_
         if plan.engine == "deepspeed" and beside.is_file():
             deepspeed = str(beside)
     if plan.optimizer_in_backward:  # memkit/backward_techniques.py; the bundle README says the same
-        from memkit.errors import MemkitError
-
         raise MemkitError("this plan steps the optimizer in backward, which HF Trainer cannot run (it steps and "
                           "clips after backward); train it with launch/finetune.py --plan plan.json")
     if for_ not in ("trainer", "trl"):
