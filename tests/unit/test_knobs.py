@@ -112,7 +112,7 @@ def test_dropout_zero_drops_exactly_the_mask_and_copy(capsys):
 
 def test_dropout_priced_within_tolerance_of_a_real_peft_step():
     """The estimate with and without LoRA dropout against a measured CPU step of a real peft LoRA
-    model (memkit's LiveTensorTracker, measure/cpu_step.py): each peak within the estimator's
+    model (memkit's LiveTensorTracker, calibrate/cpu_step.py): each peak within the estimator's
     stated 5%, and dropout > 0 costs memory in both."""
     from memkit.estimate.memory import estimate_memory
     from memkit.measure.cpu_step import measure_training
