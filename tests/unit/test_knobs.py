@@ -115,7 +115,7 @@ def test_dropout_priced_within_tolerance_of_a_real_peft_step():
     model (memkit's LiveTensorTracker, calibrate/cpu_step.py): each peak within the estimator's
     stated 5%, and dropout > 0 costs memory in both."""
     from memkit.estimate.memory import estimate_memory
-    from memkit.measure.cpu_step import measure_training
+    from memkit.calibrate.cpu_step import measure_training
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 
