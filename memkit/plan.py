@@ -378,7 +378,7 @@ def _check_declared(f, value) -> None:
             if lo == 1:
                 raise MemkitError(f"{flag_name(f)} {value} must be a positive integer")
             raise MemkitError(f"{flag_name(f)} {value} must be >= {lo} ({what.split('(')[-1].rstrip(')')})")
-    elif f.name == "lora_dropout" and not lo <= value <= hi:
+    elif isinstance(f.default, float) and not lo <= value <= hi:  # a float knob: both ends
         raise MemkitError(f"{flag_name(f)} {value} must be between {lo} and {hi} ({what})")
 
 

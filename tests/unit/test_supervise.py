@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from torchrun_stub import wait_until_ready  # tests/unit/torchrun_stub.py
+
 RANK = """
 import os, signal, sys, time, pathlib
 out = pathlib.Path(sys.argv[1]); rank = os.environ["RANK"]
@@ -53,12 +55,7 @@ def test_signal_reaches_every_rank_and_exit_code(tmp_path, sig, code, stuck):
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, "4", *torchrun], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and driver.poll() is None, "ranks did not start"
-            time.sleep(0.1)
-        time.sleep(0.3)  # both ready files written; handlers installed before them
-        pids = [int((tmp_path / f"ready.{r}").read_text()) for r in (0, 1)]
+        pids = wait_until_ready(tmp_path, driver)
         assert all(os.getsid(pid) == pid for pid in pids)  # torchrun ranks: each its own session
         driver.send_signal(sig)
         out, _ = driver.communicate(timeout=60)
@@ -98,11 +95,7 @@ def test_a_repeated_signal_within_the_grace_is_ignored(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, "30", *torchrun], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and driver.poll() is None, "ranks did not start"
-            time.sleep(0.1)
-        time.sleep(0.3)
+        wait_until_ready(tmp_path, driver)
         driver.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         driver.send_signal(signal.SIGTERM)  # the repeat

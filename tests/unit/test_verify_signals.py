@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from torchrun_stub import wait_until_ready  # tests/unit/torchrun_stub.py
 
 RANK = """
 import os, signal, sys, time, pathlib
@@ -47,11 +48,7 @@ def test_verify_relays_the_signal_through_its_launcher(tmp_path, sig):
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(log), *torchrun], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and driver.poll() is None, "ranks did not start"
-            time.sleep(0.1)
-        time.sleep(0.3)  # both ready files written; handlers installed before them
+        wait_until_ready(tmp_path, driver)
         driver.send_signal(sig)
         out, _ = driver.communicate(timeout=120)
     finally:
