@@ -157,10 +157,12 @@ class TrainingPlan:
     """Data-parallel degree; dp * tp * pp must equal the number of GPUs."""
     tp: int = knob(1, range=(1, 1024, "tensor-parallel degree"), cli={
         "estimate": None, "launch": None,
-        "pin": "tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing fits "
-               "otherwise or the step-time model prices the split faster by more than its uncertainty"})
+        "pin": {"text": True,  # a degree or 'auto': cli/suggest.py parse_degree reads it
+                "help": "tensor-parallel degree (DeepSpeed AutoTP), or 'auto' (default): split only when nothing "
+                        "fits otherwise or the step-time model prices the split faster by more than its uncertainty"}})
     pp: int = knob(1, range=(1, 1024, "pipeline-parallel degree"), cli={
-        "estimate": None, "launch": None, "pin": "pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)"})
+        "estimate": None, "launch": None,
+        "pin": {"text": True, "help": "pipeline-parallel degree (torch.distributed.pipelining, 1F1B), or 'auto' (as --tp)"}})
     tp_engine: TpEngine = knob("autotp")
     """How TP runs: DeepSpeed AutoTP ('autotp') or transformers tp_plan/DTensor ('tp_plan')."""
     sequence_parallel: bool = knob(False)
@@ -412,8 +414,8 @@ def add_knob_flags(group, command: str) -> None:
         if command == "estimate" and meta["estimate_default"] is not MISSING:
             default = meta["estimate_default"]
         choices = spec["choices"] if "choices" in spec else knob_choices(f)
-        if f.name in ("tp", "pp") and command == "pin":
-            pass  # suggest takes a degree or 'auto' as text (cli/suggest.py parse_degree)
+        if spec.get("text"):
+            pass  # the command reads the text itself (a cli spec's "text": True)
         elif meta["parse"] is not None and "choices" not in spec:
             kwargs["type"] = meta["parse"]
         elif choices is not None:
@@ -422,7 +424,7 @@ def add_knob_flags(group, command: str) -> None:
                 kwargs["type"] = int
         elif knob_kind(f) in ("int", "float"):
             kwargs["type"] = {"int": int, "float": float}[knob_kind(f)]
-        if f.name == "lora_targets":
+        if knob_kind(f) == "tuple":
             default = None  # comma-separated text; memkit.cli.common.lora_targets / knob_values read it
         group.add_argument(flag, default=default, **kwargs)
 
@@ -434,7 +436,7 @@ def _cli_spec(f, command: str) -> dict:
 
 def knob_values(args, command: str) -> dict:
     """field name -> the value of each knob flag `command` took (None: not given, for pin/run).
-    --lora-targets comes back as a tuple of names (None when not given)."""
+    A tuple knob (--lora-targets) comes back as a tuple of names (None when not given)."""
     out = {}
     given = command in ("estimate", "workload")
     for f in knob_fields(command):
@@ -442,7 +444,7 @@ def knob_values(args, command: str) -> dict:
         value = getattr(args, dest)
         if f.metadata["negated"]:
             value = False if value else (f.default if given else None)
-        elif f.name == "lora_targets" and value:
+        elif knob_kind(f) == "tuple" and value:  # comma-separated names
             value = tuple(t.strip() for t in value.split(",") if t.strip())
         out[f.name] = value
     return out
