@@ -24,7 +24,7 @@ GOLDEN = REPO / "tests" / "golden" / "cpu_measurements_arch.json"
 def errors(golden: Path) -> list[tuple[str, str, int, int, float]]:
     """(family, row id, measured peak, estimated peak, signed relative error) per golden row."""
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 

@@ -50,7 +50,7 @@ def write_plan_bundle(folder: Path, label: str, knobs: dict, gpu_name: str) -> P
     from memkit.emit.bundle import bundle_files, plan_document, write_bundle
     from memkit.estimate.memory import estimate_memory
     from memkit.estimate.throughput import estimate_step_time
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 

@@ -52,7 +52,7 @@ def child(args) -> int:
 
 def predicted(args) -> dict:
     from memkit.estimate.varlen import estimate_varlen
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memkit.plan import TrainingPlan  # noqa: E402
+from memkit.plan.plan import TrainingPlan  # noqa: E402
 
 # Tiny but not trivial: activations and states both matter (hidden 256, 4 layers, seq 256).
 ARCHS: dict[str, dict] = {

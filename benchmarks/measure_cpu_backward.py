@@ -1,4 +1,4 @@
-"""Measure activation offload and the optimizer in backward on CPU (memkit/backward_techniques.py),
+"""Measure activation offload and the optimizer in backward on CPU (memkit/plan/backward_techniques.py),
 like benchmarks/measure_cpu.py and with its models and machinery, into their own golden file:
 
     python benchmarks/measure_cpu_backward.py --out tests/golden/cpu_measurements_backward.json

@@ -1,4 +1,4 @@
-"""Measure QLoRA (4-bit frozen bases + LoRA, memkit/quantize.py) on CPU, like
+"""Measure QLoRA (4-bit frozen bases + LoRA, memkit/plan/quantize.py) on CPU, like
 benchmarks/measure_cpu.py and with its models and machinery, into their own golden file:
 
     python benchmarks/measure_cpu_qlora.py --out tests/golden/cpu_measurements_qlora.json
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 def table(rows: list[dict]) -> str:
     """Markdown: each row's measured peak, memkit's CPU prediction and the error."""
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 

@@ -26,7 +26,7 @@ ROWS = [
     _single("gpt2-fp32-sdpa-chunked", "gpt2", loss="chunked"),
     _single("qwen2-bf16pure-sdpa-chunked", "qwen2", precision="bf16-pure", loss="chunked"),
     _single("neox-bf16-sdpa-chunked-accum2", "gpt-neox", precision="bf16", loss="chunked", grad_accum=2),
-    # partial checkpointing: the first K of 4 blocks (memkit/techniques.py)
+    # partial checkpointing: the first K of 4 blocks (memkit/plan/techniques.py)
     _single("llama-fp32-sdpa-ckpt2", "llama-gqa", checkpointing="2"),
     _single("llama-bf16-sdpa-ckpt1-chunked", "llama-gqa", precision="bf16", checkpointing="1", loss="chunked"),
     _single("gpt2-fp32-sdpa-ckpt1", "gpt2", checkpointing="1"),

@@ -66,7 +66,7 @@ def cpu_rows() -> list[tuple[str, str, int, int, str]]:
     import tempfile
 
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 

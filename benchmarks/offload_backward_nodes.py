@@ -25,7 +25,7 @@ def node_peaks(row: dict, num_steps: int = 2) -> list[tuple[str, int, int]]:
 
     from memkit.calibrate.cpu_step import build_model, build_optimizer, random_batch
     from memkit.measure.live_tensors import LiveTensorTracker
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.train.backward_techniques import NumpyStore, OffloadSavedTensors
 
     plan = TrainingPlan.from_dict(row["plan"])

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from memkit.errors import MemkitError  # noqa: E402
-from memkit.plan import TrainingPlan, add_knob_flags, knob_values  # noqa: E402
+from memkit.plan.plan import TrainingPlan, add_knob_flags, knob_values  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--model", help="catalog name, config.json path, or folder holding one")
     src.add_argument("--model-config", help="a config.json (or a JSON object string) with model_type")
     p.add_argument("--plan", help="plan.json (memkit suggest's bundle or a bare TrainingPlan dict)")
-    add_knob_flags(p, "launch")  # the plan knobs this harness takes (memkit/plan.py declares them)
+    add_knob_flags(p, "launch")  # the plan knobs this harness takes (memkit/plan/plan.py declares them)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -84,7 +84,7 @@ def make_plan(args, world_size: int) -> TrainingPlan:
         base["dp"] = max(1, world_size // (tp * pp))
     if pp > 1:
         base.setdefault("grad_accum", pp)
-    # Engines (memkit.parallel.split_plan): AutoTP runs inside DeepSpeed; the pipeline (with torch
+    # Engines (memkit.plan.parallel.split_plan): AutoTP runs inside DeepSpeed; the pipeline (with torch
     # tensor parallel inside its stages under tp x pp) and the reference in plain torch.
     if "engine" not in base or not args.plan:
         base["engine"] = "deepspeed" if tp > 1 and pp == 1 else "torch"
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 def check(name, model_config, plan, rank, world_size, gpu_name):
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
-    from memkit.parallel import rank_layout, validate_parallel
+    from memkit.plan.parallel import rank_layout, validate_parallel
 
     layout = rank_layout(plan, rank=rank, world_size=world_size)
     spec = spec_from_config(model_config, name=name)

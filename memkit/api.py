@@ -19,7 +19,7 @@ here downloads, prints or writes files.
 from __future__ import annotations
 
 from memkit.errors import MemkitError
-from memkit.plan import DEFAULT_LR
+from memkit.plan.plan import DEFAULT_LR
 from memkit.estimate.entry import estimate, hardware, model_spec  # noqa: F401 (the estimate layer's; re-exported)
 
 
@@ -62,7 +62,7 @@ def training_arguments(plan, *, output_dir: str, lr: float = DEFAULT_LR, weight_
     from pathlib import Path
 
     from memkit.emit.trainer import trainer_arguments
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     deepspeed = None
     if not isinstance(plan, TrainingPlan):
@@ -73,7 +73,7 @@ def training_arguments(plan, *, output_dir: str, lr: float = DEFAULT_LR, weight_
         beside = Path(document.path).resolve().parent / "ds_config.json"
         if plan.engine == "deepspeed" and beside.is_file():
             deepspeed = str(beside)
-    if plan.optimizer_in_backward:  # memkit/backward_techniques.py; the bundle README says the same
+    if plan.optimizer_in_backward:  # memkit/plan/backward_techniques.py; the bundle README says the same
         raise MemkitError("this plan steps the optimizer in backward, which HF Trainer cannot run (it steps and "
                           "clips after backward); train it with launch/finetune.py --plan plan.json")
     if for_ not in ("trainer", "trl"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from memkit.errors import MemkitError
 from memkit.estimate.bounds import QUANTILE, plan_kind, quantile
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.stack import Stack
 
 ENV = "MEMKIT_PROFILE"
@@ -44,7 +44,7 @@ def load(path: Path | None = None) -> dict:
     except (OSError, ValueError) as exc:
         raise MemkitError(f"calibration profile {path} is not readable JSON ({exc}); "
                           f"fix it or run `memkit calibrate --reset`") from None
-    from memkit.plan_schema import check_profile
+    from memkit.plan.plan_schema import check_profile
 
     check_profile(doc, where=f"calibration profile {path}", version=FORMAT_VERSION)
     return doc

@@ -8,7 +8,7 @@ Each check fails with one MemkitError line (what, the value, the fix; exit code 
 - ranges (`check_args`): one table of sane limits per flag, and the paths a command will write
   (--out, --plot, --output-dir, --report-json) probed before the work starts.
 - the model and plan flags of `train`/`verify` (`check_run`, `check_model`), before any rank.
-  plan.json documents are checked by memkit/plan_schema.py wherever they are read.
+  plan.json documents are checked by memkit/plan/plan_schema.py wherever they are read.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from memkit.errors import MemkitError
 
-from memkit.limits import LIMITS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_SYNTHETIC_TOKENS  # noqa: F401 (one table)
-from memkit.plan_schema import check_host  # noqa: F401 (one host-name rule; launch_script uses it too)
+from memkit.plan.limits import LIMITS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_SYNTHETIC_TOKENS  # noqa: F401 (one table)
+from memkit.plan.plan_schema import check_host  # noqa: F401 (one host-name rule; launch_script uses it too)
 _SIZE_LIMITS = {"gpu_memory": (2**20, 2**44, "--gpu-memory", "1MiB and 16TiB"),  # bytes
                 "host_ram": (2**20, 2**54, "--host-ram", "1MiB and 16PiB")}
 _INT_RE = re.compile(r"[+-]?[0-9]{1,40}")
@@ -250,7 +250,7 @@ def check_resume_path(resume: str) -> None:
 def check_run(args: argparse.Namespace) -> None:
     """`train`'s plan flags against plan.json (or, without one, as a plan of their own), and the
     model's shape, before any launcher or rank starts (the ranks would find the same later)."""
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.train.config import check_flags, read_plan_file, refuse_task
     from memkit.train.main import plan_flags
 
@@ -268,12 +268,12 @@ def check_run(args: argparse.Namespace) -> None:
 
 def check_launch_files(plan, *, plan_path: str | None, config_file: str | None):
     """The accelerate.yaml (--config-file, else beside plan.json) and the ds_config.json it names,
-    checked against their schemas (memkit.plan_schema) and against the plan, as the ranks would
+    checked against their schemas (memkit.plan.plan_schema) and against the plan, as the ranks would
     (memkit.train.config.resolve_plan), before anything starts. Returns (config path, accelerate
     dict, DeepSpeed path, DeepSpeed dict); Nones where there is no such file."""
     from memkit.cli.launching import accelerate_config_for, deepspeed_file, read_accelerate_config
     from memkit.fileio import read_json_object
-    from memkit.plan_schema import check_accelerate_config, check_deepspeed_config
+    from memkit.plan.plan_schema import check_accelerate_config, check_deepspeed_config
     from memkit.train.config import resolve_plan
 
     path = accelerate_config_for(plan_path, config_file)

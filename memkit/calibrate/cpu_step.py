@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 

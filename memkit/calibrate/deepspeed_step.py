@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 PHASES = ("forward", "backward", "optimizer_step")
 

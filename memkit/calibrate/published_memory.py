@@ -29,7 +29,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.result import MemoryEstimate
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import find_catalog_model, load_model_spec, spec_from_config
 from memkit.spec.model import ModelSpec
@@ -288,7 +288,7 @@ def _skip_reason(record: dict) -> str:
     if _is_qlora(record) and (record.get("zero_stage") is not None or record.get("fsdp")):
         # The PEFT docs' runs pack the 4-bit weights into bf16 tensors (bnb_4bit_quant_storage,
         # bitsandbytes >= 0.43.0, PR #970) so ZeRO-3 / FSDP can partition them like bf16 params;
-        # memkit/quantize.py prices a 4-bit base only whole on every rank (plain PyTorch / DDP).
+        # memkit/plan/quantize.py prices a 4-bit base only whole on every rank (plain PyTorch / DDP).
         how = f"DeepSpeed ZeRO-{record['zero_stage']}" if record.get("zero_stage") is not None else record["fsdp"]
         return (f"QLoRA with 4-bit weights in bf16 storage (bnb_4bit_quant_storage) sharded by {how}: memkit "
                 "prices 4-bit bases only unsharded, on plain PyTorch / DDP (memkit/quantize.py)")
@@ -296,7 +296,7 @@ def _skip_reason(record: dict) -> str:
 
 
 def _quantized_base(record: dict, approx: list[str]) -> dict:
-    """TrainingPlan knobs of an unsharded QLoRA record (memkit/quantize.py) and what its mapping
+    """TrainingPlan knobs of an unsharded QLoRA record (memkit/plan/quantize.py) and what its mapping
     approximates. The mapped ones are litgpt's (S3): `--quantize bnb.nf4 | bnb.nf4-dq` names a
     Lightning Fabric BitsandbytesPrecision mode (litgpt finetune/lora.py at 8641822:
     `BitsandbytesPrecision(quantize[4:], dtype)`), '-dq' = compress_statistics=True

@@ -23,7 +23,7 @@ from pathlib import Path
 from memkit.calibrate.published_memory import _CONFIG_DIRS, _lora_targets, _stack, as_sequence_classifier
 from memkit.errors import MemkitError
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.spec.model import ModelSpec

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from memkit.errors import MemkitError
-from memkit.plan import add_knob_flags
+from memkit.plan.plan import add_knob_flags
 from memkit.spec.hardware import HOST_RAM_GIB_PER_GPU, MIN_HOST_RAM_GIB, Hardware, custom_gpu, find_gpu
 from memkit.units import format_bytes, parse_bytes
 
@@ -40,7 +40,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 
 
 def plan_engine(args: argparse.Namespace) -> str:
-    """--engine as given, else torch for a 4-bit base (memkit/quantize.py: plain PyTorch / DDP only)
+    """--engine as given, else torch for a 4-bit base (memkit/plan/quantize.py: plain PyTorch / DDP only)
     and DeepSpeed otherwise."""
     if args.engine:
         return args.engine
@@ -48,7 +48,7 @@ def plan_engine(args: argparse.Namespace) -> str:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    """The knobs of a TrainingPlan, each as memkit/plan.py declares it."""
+    """The knobs of a TrainingPlan, each as memkit/plan/plan.py declares it."""
     add_knob_flags(p.add_argument_group("plan"), "estimate")
 
 

@@ -8,7 +8,7 @@ import sys
 from memkit.cli.common import (add_hardware_args, add_model_args, add_plan_args, check_positive, plan_engine,
                                hardware_from_args, lora_targets, render_breakdown)
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan, knob_values
+from memkit.plan.plan import TrainingPlan, knob_values
 
 HELP = "predict per-GPU peak memory (and host RAM) and the step time of one training plan"
 
@@ -48,11 +48,11 @@ def plan_from_args(args: argparse.Namespace, model, hardware) -> TrainingPlan:
     if total % model_par:
         raise MemkitError(f"tp*pp = {model_par} does not divide the {total} GPUs; "
                           f"pick tp and pp whose product divides {total}")
-    knobs = knob_values(args, "estimate")  # every knob flag, as memkit/plan.py declares it
+    knobs = knob_values(args, "estimate")  # every knob flag, as memkit/plan/plan.py declares it
     knobs.update(dp=total // model_par, lora_targets=lora_targets(args.lora_targets, model), engine=plan_engine(args))
     if args.optimizer_in_backward:
         knobs["gradient_clipping"] = 0.0
-    from memkit.parallel import bf16_unsupported
+    from memkit.plan.parallel import bf16_unsupported
 
     if (error := bf16_unsupported(knobs["precision"], hardware)):  # the hardware's rule before the plan's
         raise MemkitError(error)

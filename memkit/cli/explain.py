@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from memkit.cli.render import format_table
-from memkit.techniques import CHECKPOINTING
+from memkit.plan.techniques import CHECKPOINTING
 from memkit.units import GIB
 
 HELP = "print a plan.json written by `memkit suggest --out` (optionally re-estimate it)"
@@ -49,7 +49,7 @@ def _recheck(doc: dict) -> dict:
     from memkit.emit.plan_doc import PlanDocument
     from memkit.spec.hf import load_model_spec
 
-    from memkit.plan_schema import check_hardware_sizes
+    from memkit.plan.plan_schema import check_hardware_sizes
 
     check_hardware_sizes(doc["hardware"], where="plan.json")  # --check rebuilds the Hardware from them
     document = PlanDocument(doc)
@@ -161,7 +161,7 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
     if plan["lora_rank"]:
         knobs.append(("LoRA", f"rank {plan['lora_rank']}, alpha {plan['lora_alpha']}, "
                               f"targets {','.join(plan['lora_targets'])}"))
-    if plan.get("quantize_base", "none") != "none":  # memkit/quantize.py
+    if plan.get("quantize_base", "none") != "none":  # memkit/plan/quantize.py
         bnb = doc.get("bitsandbytes") or {}
         knobs.append(("4-bit base", f"{plan['quantize_base']} (bitsandbytes), double quant "
                                     f"{'on' if plan.get('double_quant', True) else 'off'}, compute dtype "
@@ -175,7 +175,7 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
         else:
             buckets += f", allgather {plan['allgather_bucket_size']:,}"
         knobs.append(("ZeRO buffers", f"{buckets} elements; overlap_comm {str(plan['overlap_comm']).lower()}"))
-    if plan.get("offload_activations", "none") != "none":  # memkit/backward_techniques.py
+    if plan.get("offload_activations", "none") != "none":  # memkit/plan/backward_techniques.py
         knobs.append(("activation offload", f"{plan['offload_activations']} (saved activations in pinned host RAM)"))
     if plan.get("optimizer_in_backward"):
         knobs.append(("optimizer in backward", "yes (one optimizer per parameter, stepped in its gradient hook)"))

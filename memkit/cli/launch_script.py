@@ -15,7 +15,7 @@ non-interactive ssh does not activate the virtual environment that `python` woul
 Every node runs torchrun through Accelerate's standard multi-node DeepSpeed launcher
 (`--deepspeed_multinode_launcher standard`, static rendezvous), so no pdsh is needed. Split
 plans (tp/pp) get the same script: the world is dp x pp x tp with tp innermost
-(memkit.parallel.RankLayout), so a TP group stays on one node when the processes per node are a
+(memkit.plan.parallel.RankLayout), so a TP group stays on one node when the processes per node are a
 multiple of tp (checked); pipeline stages may span nodes.
 """
 from __future__ import annotations
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
     if per_node * num_machines != plan.num_gpus:
         raise MemkitError(f"{num_machines} machines x {per_node} processes = {per_node * num_machines}, but the "
                           f"plan uses {plan.num_gpus} GPUs (dp*tp*pp); fix --num-machines/--gpus-per-node")
-    from memkit.parallel import tp_spans_nodes
+    from memkit.plan.parallel import tp_spans_nodes
 
-    if tp_spans_nodes(plan.tp, per_node):  # memkit.parallel states the rule
+    if tp_spans_nodes(plan.tp, per_node):  # memkit.plan.parallel states the rule
         raise MemkitError(f"tp={plan.tp} with {per_node} processes per node: a TP group would span nodes; "
                           f"use --gpus-per-node a multiple of {plan.tp}")
     finetune_args = list(args.finetune_args)
@@ -139,7 +139,7 @@ def read_hostfile(path: str) -> tuple[list[str], int | None]:
         if not line:
             continue
         parts = line.split()
-        from memkit.plan_schema import check_host
+        from memkit.plan.plan_schema import check_host
 
         hosts.append(check_host(parts[0], what=f"--hostfile {path}: line {line_no}: host"))
         for part in parts[1:]:

@@ -9,7 +9,7 @@ import time
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
 from memkit.emit.plan_doc import DEFAULT_LR
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan, add_knob_flags, knob_values
+from memkit.plan.plan import TrainingPlan, add_knob_flags, knob_values
 
 HELP = "find the fastest plan that fits and write accelerate.yaml + ds_config.json for it"
 
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--global-batch-size", type=int, required=True,
                    help="sequences per optimizer step across all GPUs (micro x accum x dp, exactly)")
-    add_knob_flags(w, "workload")  # memkit/plan.py declares each knob
+    add_knob_flags(w, "workload")  # memkit/plan/plan.py declares each knob
     pins = p.add_argument_group("pins (leave out to let memkit choose)")
     add_knob_flags(pins, "pin")
     pins.add_argument("--no-offload", action="store_true", help="never offload to CPU or NVMe")
@@ -84,11 +84,11 @@ def parse_degree(text: str | None, flag: str) -> int | None:
 
 def request_from_args(args: argparse.Namespace):
     from memkit.planner import Request
-    from memkit.plan import TASK_FIELDS
+    from memkit.plan.plan import TASK_FIELDS
     from memkit.spec.generic import task_spec
     from memkit.spec.hf import load_model_spec
 
-    knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan.py's knobs
+    knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan/plan.py's knobs
     task = TrainingPlan(**{name: knobs[name] for name in TASK_FIELDS}).validate()
     model = task_spec(load_model_spec(args.model), task)  # the task's head and lengths (spec/generic.py)
     hardware = hardware_from_args(args)

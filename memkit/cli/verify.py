@@ -175,7 +175,7 @@ def next_ranked_plan(doc: dict) -> dict | None:
 def _plan_line(plan: dict) -> str:
     keys = ("precision", "zero_stage", "offload_optimizer", "offload_params", "checkpointing", "loss",
             "micro_batch_size", "grad_accum", "lora_rank", "quantize_base")
-    keys += ("offload_activations", "optimizer_in_backward")  # memkit/backward_techniques.py
+    keys += ("offload_activations", "optimizer_in_backward")  # memkit/plan/backward_techniques.py
     return ", ".join(f"{k}={plan[k]}" for k in keys if k in plan)
 
 

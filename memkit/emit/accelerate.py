@@ -16,7 +16,7 @@ turns that into Accelerate's MULTI_CPU with gloo (memkit/train/loop.py, make_acc
 """
 from __future__ import annotations
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
 _LAUNCH_DEFAULTS = {"rdzv_backend": "static", "same_network": True, "main_training_function": "main",

@@ -18,7 +18,7 @@ from memkit.emit.deepspeed import deepspeed_config
 from memkit.emit.plan_doc import DEFAULT_LR, plan_document, versions  # noqa: F401 (plan.json lives in plan_doc)
 from memkit.emit.trainer import PEFT_CONFIG_FILE, trainer_recipe
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.units import GIB
 
 FILES = ("accelerate.yaml", "ds_config.json", "plan.json", "README.md")
@@ -302,7 +302,7 @@ def readme(document: dict, *, out_dir: str) -> str:
             f"which engine runs each split; `memkit explain {shlex.quote(out_dir + '/plan.json')}` prints it).",
             "",
         ]
-        if plan.get("quantize_base", "none") != "none":  # a 4-bit base runs on plain PyTorch (memkit/quantize.py)
+        if plan.get("quantize_base", "none") != "none":  # a 4-bit base runs on plain PyTorch (memkit/plan/quantize.py)
             lines += trainer_section(document, out_dir=out_dir)
     if plan["optimizer"] in ("adamw-8bit", "paged-adamw-8bit", "adafactor"):
         lines += [f"The optimizer ({plan['optimizer']}) is built by the training script, not by DeepSpeed; "
@@ -392,7 +392,7 @@ def _quantized_trainer_lines(recipe, *, checkpoint: str, kwargs: str, out_dir: s
 
 
 def backward_rows(plan: dict) -> list[str]:
-    """Table rows for activation offload / the optimizer in backward (memkit/backward_techniques.py)."""
+    """Table rows for activation offload / the optimizer in backward (memkit/plan/backward_techniques.py)."""
     rows = []
     if plan.get("offload_activations", "none") != "none":
         rows.append(f"| activation offload | {plan['offload_activations']} (saved activations in pinned host RAM) |")
@@ -420,7 +420,7 @@ def backward_paragraphs(plan: dict) -> list[str]:
 
 
 def _checkpointing_text(value: str) -> str:
-    """'3' -> 'first 3 blocks' (memkit/techniques.py: partial checkpointing covers the first K)."""
-    from memkit.techniques import CHECKPOINTING
+    """'3' -> 'first 3 blocks' (memkit/plan/techniques.py: partial checkpointing covers the first K)."""
+    from memkit.plan.techniques import CHECKPOINTING
 
     return value if value in CHECKPOINTING else f"first {value} blocks"

@@ -15,8 +15,8 @@ adam_beta1/2, adam_epsilon, weight_decay and --bf16/--fp16; memkit.emit.trainer 
 from __future__ import annotations
 
 from memkit.errors import MemkitError
-from memkit.parallel import deepspeed_data_ranks
-from memkit.plan import DEFAULT_LR, TrainingPlan
+from memkit.plan.parallel import deepspeed_data_ranks
+from memkit.plan.plan import DEFAULT_LR, TrainingPlan
 
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -58,7 +58,7 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay
     elif plan.precision == "bf16":
         config["bf16"] = {"enabled": True}
     elif plan.precision == "bf16-pure":
-        # ZeRO 1-3 only: plan.validate() above refuses bf16-pure at ZeRO 0 (memkit/plan.py, bf16_pure_needs_zero)
+        # ZeRO 1-3 only: plan.validate() above refuses bf16-pure at ZeRO 0 (memkit/plan/plan.py, bf16_pure_needs_zero)
         # Master weights, gradients and optimizer states all in bf16 (precision_config.py).
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
                           "bf16_optimizer_states": True}
@@ -80,7 +80,7 @@ def deepspeed_config(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay
 def batch_fields(plan: TrainingPlan) -> dict:
     """The three DeepSpeed batch fields; the only writer of them (deepspeed_config, the runner's
     AutoTP config and its 'auto' filling all take them from here). train_batch_size is
-    micro x accum x every rank DeepSpeed counts as a data rank (memkit.parallel.deepspeed_data_ranks)."""
+    micro x accum x every rank DeepSpeed counts as a data rank (memkit.plan.parallel.deepspeed_data_ranks)."""
     return {"train_batch_size": plan.micro_batch_size * plan.grad_accum * deepspeed_data_ranks(plan),
             "train_micro_batch_size_per_gpu": plan.micro_batch_size,
             "gradient_accumulation_steps": plan.grad_accum}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from memkit.emit.trainer import bnb_config_kwargs, trainer_arguments
 from memkit.errors import MemkitError
-from memkit.parallel import engines, split_limits
-from memkit.plan_schema import PLAN_FORMAT_VERSION, versions  # noqa: F401 (the document's format and versions)
-from memkit.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
+from memkit.plan.parallel import engines, split_limits
+from memkit.plan.plan_schema import PLAN_FORMAT_VERSION, versions  # noqa: F401 (the document's format and versions)
+from memkit.plan.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
@@ -70,7 +70,7 @@ def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory
         "rejected": rejected or [],
         "notes": notes or [],
         "versions": versions() if version_info is None else version_info,
-        **({"bitsandbytes": bnb_config_kwargs(plan)} if plan.is_quantized else {}),  # memkit/quantize.py
+        **({"bitsandbytes": bnb_config_kwargs(plan)} if plan.is_quantized else {}),  # memkit/plan/quantize.py
     }
 
 
@@ -185,10 +185,10 @@ class PlanDocument:
 
 def check(doc, *, where: str, require: tuple[str, ...] = ("plan",)) -> PlanDocument:
     """A PlanDocument from plan.json's parsed JSON; MemkitError (one line) when it is not one.
-    Every field is checked against memkit.plan_schema: a document `memkit suggest` wrote (it has
+    Every field is checked against memkit.plan.plan_schema: a document `memkit suggest` wrote (it has
     format_version) in full, a version-0 one (hand-written; no format_version) after its
     migration, its plan and hardware."""
-    from memkit import plan_schema
+    from memkit.plan import plan_schema
 
     if not isinstance(doc, dict):
         raise MemkitError(f"{where} holds a JSON {type(doc).__name__}: not a memkit plan.json")

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
-from memkit.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.plan.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
             "adafactor": "adafactor", "sgd": "sgd"}
@@ -99,10 +99,10 @@ def lora_config(plan: TrainingPlan) -> dict | None:
 def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     """What the model needs besides TrainingArguments: partial checkpointing (Trainer's
     --gradient_checkpointing would checkpoint every block, so it stays off and the first K blocks
-    are set here; memkit/techniques.py says why the first) and the chunked loss (a model wrapper
+    are set here; memkit/plan/techniques.py says why the first) and the chunked loss (a model wrapper
     whose forward returns .loss without logits; memkit/train/chunked_loss.py)."""
     lines = []
-    if plan.is_quantized:  # memkit/quantize.py: fp32 rest, frozen base; the plan decides checkpointing
+    if plan.is_quantized:  # memkit/plan/quantize.py: fp32 rest, frozen base; the plan decides checkpointing
         lines += ["from peft import prepare_model_for_kbit_training",
                   "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)"]
     if plan.checkpointing not in ("none", "full"):
@@ -113,7 +113,7 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     if plan.loss == "chunked":
         lines += ["from memkit.train.chunked_loss import chunked_causal_lm",
                   "model = chunked_causal_lm(model)  # the loss over chunks; logits are never materialised"]
-    if plan.offload_activations == "cpu":  # memkit/backward_techniques.py
+    if plan.offload_activations == "cpu":  # memkit/plan/backward_techniques.py
         lines += ["from memkit.train.backward_techniques import offload_activations",
                   "model = offload_activations(model)  # saved activations to pinned host RAM in forward"]
     return tuple(lines)
@@ -121,11 +121,11 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
 
 def bnb_config_kwargs(plan: TrainingPlan) -> dict | None:
     """transformers BitsAndBytesConfig kwargs of a 4-bit base (None without one): blocksize 64
-    is bitsandbytes' default; the compute dtype follows the precision (memkit/quantize.py).
+    is bitsandbytes' default; the compute dtype follows the precision (memkit/plan/quantize.py).
     BitsAndBytesConfig takes the dtype by name (transformers utils/quantization_config.py)."""
     if not plan.is_quantized:
         return None
-    from memkit.quantize import COMPUTE_DTYPE
+    from memkit.plan.quantize import COMPUTE_DTYPE
 
     return {"load_in_4bit": True, "bnb_4bit_quant_type": plan.quantize_base,
             "bnb_4bit_use_double_quant": plan.double_quant,

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, replace
 
 from memkit.estimate.tape import Sym, Tape
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.model import Linear, ModelSpec
 
 # Activations written in Python rather than as one aten kernel (transformers/activations.py):
@@ -96,7 +96,7 @@ class _BlockReplay:
         # peft keeps adapter weights in fp32 (autocast_adapter_dtype=True, peft/tuners/lora/
         # layer.py) and casts the input to them; DeepSpeed later casts the whole module to 16 bits.
         self.adapter_itemsize = num.weight_itemsize if plan.engine == "deepspeed" else 4
-        self.base_4bit = plan.quantize_base != "none"  # bitsandbytes Linear4bit bases (memkit/quantize.py)
+        self.base_4bit = plan.quantize_base != "none"  # bitsandbytes Linear4bit bases (memkit/plan/quantize.py)
         self.uses_scores = False  # set when the block keeps s^2 attention probabilities
         self.cross = False  # a decoder block of an encoder-decoder model (cross-attention)
 

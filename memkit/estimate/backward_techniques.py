@@ -1,5 +1,5 @@
 """Bytes and time of activation offload and of the optimizer in backward
-(rules: memkit/backward_techniques.py).
+(rules: memkit/plan/backward_techniques.py).
 
 Activation offload (`--offload-activations cpu`, memkit/train/act_offload.py):
 - Moved to host RAM per micro-batch: every distinct storage the forward saves for backward that
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from memkit.estimate.activations import block_activations, numerics
 from memkit.estimate.techniques import loss_activations, selective_kept_bytes
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.model import ModelSpec
-from memkit.techniques import checkpointed_blocks
+from memkit.plan.techniques import checkpointed_blocks
 
 GB = 1e9
 

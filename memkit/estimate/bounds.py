@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from memkit.estimate.residuals_table import QUANTILE  # chosen by the rule below; the one place it is stated
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 TARGET_COVERAGE = 0.90
 """Share of a source's rows the upper bounds must cover when that source is left out of the

@@ -37,7 +37,7 @@ Outside it (seen by nvidia-smi only):
 """
 from __future__ import annotations
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import GPU, Hardware
 from memkit.units import MIB
 

@@ -53,7 +53,7 @@ def estimate(model, *, gpu: str | None = None, gpu_memory: int | str | None = No
     device='cpu' prices a CPU run (what memkit's CPU tests and the runner's live-tensor peaks use).
     """
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     spec = model_spec(model)
     hw = hardware(gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes)

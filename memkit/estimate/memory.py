@@ -32,13 +32,13 @@ from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.stage_terms import StageContext, Terms, in_flight, stage_terms
 from memkit.estimate.states import RankParams, model_states
 from memkit.estimate.techniques import head_grad_lands_early, loss_component
-from memkit.parallel import check_degrees, stage_layers
-from memkit.plan import TrainingPlan
+from memkit.plan.parallel import check_degrees, stage_layers
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.generic import task_spec
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import EAGER_KERNEL_IMAGES_BYTES, Stack, behaviour
-from memkit.techniques import partial_blocks_error
+from memkit.plan.techniques import partial_blocks_error
 from memkit.units import GIB
 
 # Host RAM a training process takes besides tensors (Python, torch/CUDA libraries, DeepSpeed,
@@ -49,7 +49,7 @@ PHASES = ("init", "forward", "backward", "optimizer_step", "checkpoint_save")
 
 
 def check_parallel(spec: ModelSpec, plan: TrainingPlan, hardware: Hardware) -> None:
-    """What the estimator needs before pricing: the degree checks (memkit.parallel, their one
+    """What the estimator needs before pricing: the degree checks (memkit.plan.parallel, their one
     home), a GPU that has the precision, and positions for the sequence."""
     check_degrees(spec, plan, hardware)
     partial = partial_blocks_error(plan.checkpointing, spec.total_layers)

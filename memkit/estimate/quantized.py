@@ -1,6 +1,6 @@
 """Bytes of a 4-bit (QLoRA) base on one rank: the packed weights, their quantisation state, the
 floating-point rest, and the dequantised-weight temporary of one linear (rules and the
-bitsandbytes / transformers / peft sources: memkit/quantize.py).
+bitsandbytes / transformers / peft sources: memkit/plan/quantize.py).
 
 - Quantised: every decoder (and encoder) block linear except fused MoE expert tensors
   (transformers replace_with_bnb_linear converts nn.Linear / Conv1D modules only). The embedding,
@@ -14,12 +14,12 @@ bitsandbytes / transformers / peft sources: memkit/quantize.py).
 """
 from __future__ import annotations
 
-from memkit.plan import TrainingPlan
-from memkit.quantize import packed_bytes, quant_state_bytes
+from memkit.plan.plan import TrainingPlan
+from memkit.plan.quantize import packed_bytes, quant_state_bytes
 from memkit.spec.model import Linear, ModelSpec
 
 COMPUTE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of bnb_4bit_compute_dtype for each precision (memkit/quantize.py COMPUTE_DTYPE)."""
+"""Bytes per element of bnb_4bit_compute_dtype for each precision (memkit/plan/quantize.py COMPUTE_DTYPE)."""
 
 
 def quantized_linears(model: ModelSpec) -> list[tuple[Linear, int]]:
@@ -62,7 +62,7 @@ def dequant_traffic_bytes(model: ModelSpec, plan: TrainingPlan, tokens: int) -> 
     element plus its scales (QLoRA Sec. 3: 4.127 / 4.5 bits) and writing the compute dtype; under
     autocast each linear's output is cast back to the fp32 stream (Linear4bit.forward
     `.to(inp_dtype)`: 2 B read + 4 B written per element), and its gradient cast again in backward."""
-    from memkit.quantize import bits_per_param
+    from memkit.plan.quantize import bits_per_param
 
     c = COMPUTE_ITEMSIZE[plan.precision]
     dequant = sum(lin.count * n * lin.in_features * lin.out_features for lin, n in quantized_linears(model)) \

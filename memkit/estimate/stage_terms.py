@@ -22,11 +22,11 @@ from memkit.estimate.pipeline import StageBuffers, stage_buffers, stage_logits_b
 from memkit.estimate.quantized import base_bytes, dequantized_weight_bytes
 from memkit.estimate.states import RankParams, States
 from memkit.estimate.techniques import loss_activations, loss_component, selective_kept_bytes
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import StackBehaviour
-from memkit.techniques import checkpointed_blocks
+from memkit.plan.techniques import checkpointed_blocks
 from memkit.units import GIB
 
 
@@ -230,7 +230,7 @@ class Lora(Technique):
 
 
 class Checkpointing(Technique):
-    """Full, partial and selective activation checkpointing (memkit/techniques.py: which blocks and
+    """Full, partial and selective activation checkpointing (memkit/plan/techniques.py: which blocks and
     why; estimate/techniques.py: what selective keeps)."""
 
     def terms(self, c, t):

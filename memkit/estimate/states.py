@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Bytes and FLOPs of the memory-saving techniques (memkit/techniques.py states their rules).
+"""Bytes and FLOPs of the memory-saving techniques (memkit/plan/techniques.py states their rules).
 
 - Chunked cross-entropy (memkit/train/chunked_loss.py, the runner's and the Trainer recipe's
   implementation): forward keeps no logits; it saves the final hidden states (N x H) instead of
@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memkit.estimate.activations import HeadActivations, head_activations, numerics
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.model import ModelSpec
-from memkit.techniques import checkpointed_blocks, loss_chunk_tokens
+from memkit.plan.techniques import checkpointed_blocks, loss_chunk_tokens
 
 
 def loss_activations(spec: ModelSpec, plan: TrainingPlan, *, device: str = "cuda") -> HeadActivations:

@@ -24,7 +24,7 @@ from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, acti
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import Linear, ModelSpec
@@ -466,7 +466,7 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, 
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
-    # What backward re-runs (memkit/techniques.py, estimate/techniques.py): the forward of the K
+    # What backward re-runs (memkit/plan/techniques.py, estimate/techniques.py): the forward of the K
     # checkpointed blocks; under selective checkpointing only the elementwise ops between the kept
     # matmul / attention outputs; under the chunked loss the head matmul of each chunk.
     share = recompute_share(plan, model.total_layers)

@@ -1,5 +1,5 @@
 """The planner's side of activation offload and the optimizer in backward
-(rules: memkit/backward_techniques.py; prices: memkit/estimate/backward_techniques.py).
+(rules: memkit/plan/backward_techniques.py; prices: memkit/estimate/backward_techniques.py).
 
 - Activation offload is searched wherever the request allows offloading (not with --no-offload)
   and the model is not split: every structure also comes with `offload_activations='cpu'`, and
@@ -14,8 +14,8 @@
 """
 from __future__ import annotations
 
-from memkit.backward_techniques import ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG
-from memkit.plan import TrainingPlan
+from memkit.plan.backward_techniques import ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG
+from memkit.plan.plan import TrainingPlan
 
 
 def request_error(request) -> str | None:

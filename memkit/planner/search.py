@@ -22,7 +22,7 @@ split layouts apart. With split 'if-needed' the splits are searched only when no
 plan fits; with 'auto' (the default) a split also wins when the step-time model prices it faster
 than the best data-parallel plan by more than the model's measured uncertainty
 (estimate.throughput.step_time_uncertainty: p75 error on published runs), since a split is the
-riskier run (a tp checkpoint is also tied to its layout: memkit.parallel.SPLIT_LIMITS). Batch
+riskier run (a tp checkpoint is also tied to its layout: memkit.plan.parallel.SPLIT_LIMITS). Batch
 arithmetic alone never picks a split
 (planner.space.layouts says which nearby global batches work instead). `SearchResult.split_reason`
 says why a split was chosen. A split keeps the numerics (AdamW and the same precision), so it
@@ -38,9 +38,9 @@ from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.bounds import QUANTILE_LABEL
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
-from memkit.parallel import split_name
+from memkit.plan.parallel import split_name
 from memkit.planner import backward
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options, pins,
                                   structures, tiers, unasked, with_micro)
 from memkit.units import GIB
@@ -349,7 +349,7 @@ def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResu
 
 
 def quantized_note(plan: TrainingPlan, offloaded: Candidate | None) -> str:
-    """suggest's words for a chosen 4-bit base (memkit/quantize.py)."""
+    """suggest's words for a chosen 4-bit base (memkit/plan/quantize.py)."""
     why = (f"the fastest 16-bit-base LoRA plan that fits offloads ({offloaded.label}, "
            f"{offloaded.speed.step_time_s:.2f} s/step)" if offloaded is not None
            else "no 16-bit-base LoRA plan fits")
@@ -646,7 +646,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
 
 def _technique_notes(ev: _Evaluator, plan: TrainingPlan) -> list[str]:
     """Why the chosen plan uses the chunked loss / partial checkpointing: what the plan would
-    need without it (memkit/techniques.py)."""
+    need without it (memkit/plan/techniques.py)."""
     notes = []
     gib = lambda plan_: device_peak_bytes(ev.check(plan_).estimate) / GIB if ev.check(plan_).estimate else 0.0
     if plan.loss == "chunked" and ev.request.loss is None:
@@ -683,7 +683,7 @@ def _largest_fitting(ev: "_Evaluator", s: TrainingPlan, micros: list[int]) -> in
 
 def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, full: TrainingPlan, *,
                            guess: int = 0):
-    """Chen et al. 2016 (memkit/techniques.py): at each micro-batch where full checkpointing
+    """Chen et al. 2016 (memkit/plan/techniques.py): at each micro-batch where full checkpointing
     fits, the number of checkpointed blocks K a bisection finds (the smallest that fits where
     memory falls as K grows; it does not always: tests/unit/test_planner_pruning.py), and the
     fastest of those plans. Micro-batches whose no-recompute time cannot beat the best found are

@@ -5,7 +5,7 @@ accumulation); search.py finds the largest micro-batch that fits for each struct
 memory only grows with the micro-batch. Batch arithmetic is exact: micro * accum * dp equals
 the requested global batch or the layout is not offered.
 
-Model splits are offered only as the runner (launch/finetune.py) runs them; memkit/parallel.py
+Model splits are offered only as the runner (launch/finetune.py) runs them; memkit/plan/parallel.py
 states those rules (engines, ZeRO stages, degrees, families) and this module only enumerates
 what they allow; tp * pp * dp = GPUs.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass, make_dataclass
 
 from memkit.errors import MemkitError
 from memkit.planner import backward
-from memkit.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
+from memkit.plan.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                              tp_spans_nodes, validate_parallel)
-from memkit.plan import MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, request_knob_fields
+from memkit.plan.plan import MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, request_knob_fields
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 
@@ -38,7 +38,7 @@ model's uncertainty (estimate.throughput.step_time_uncertainty). Never to meet t
 ALLOWS = ("qlora", "8bit-optimizer")
 """--allow: techniques that change what is trained, which the planner tries only when pinned
 (--quantize-base nf4, --optimizer adamw-8bit) or allowed: a 4-bit base (QLoRA; frozen weights
-stored in 4 bits, memkit/quantize.py) and an 8-bit optimizer (bitsandbytes AdamW8bit, its states
+stored in 4 bits, memkit/plan/quantize.py) and an 8-bit optimizer (bitsandbytes AdamW8bit, its states
 quantised blockwise: Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", Sec. 2).
 LoRA is never added: it is trained only when --lora-rank asks for it."""
 EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
@@ -49,7 +49,7 @@ LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")
 
 
 _RequestKnobs = make_dataclass("_RequestKnobs", request_knob_fields(), frozen=True, slots=True, kw_only=True)
-"""The plan knobs a request carries, derived from TrainingPlan's declarations (memkit/plan.py): a
+"""The plan knobs a request carries, derived from TrainingPlan's declarations (memkit/plan/plan.py): a
 pin per searched knob (None: the planner chooses; checkpointing None: none, then the smallest
 number of checkpointed blocks K that fits, then full; loss None: standard and chunked;
 offload_activations None: none and cpu where offloading is allowed, planner/backward.py;
@@ -89,7 +89,7 @@ class Request(_RequestKnobs):
     def validate(self) -> "Request":
         """The request-only checks (the hardware, batch arithmetic, headroom, objective, offload
         permission, --allow, the split's fit to the GPUs); every plan rule is TrainingPlan.validate's
-        (and, for a pinned split, memkit.parallel.validate_parallel's), asked of a probe plan."""
+        (and, for a pinned split, memkit.plan.parallel.validate_parallel's), asked of a probe plan."""
         self.hardware.validate()
         gpu = self.hardware.gpu
         if self.global_batch_size < 1:
@@ -137,7 +137,7 @@ class Request(_RequestKnobs):
                     f"needs at least {self.pp} micro-batches per step on each of the "
                     f"{num_gpus // (self.pp * (self.tp or 1))} pipelines; use --global-batch-size >= "
                     f"{self.pp * (num_gpus // (self.pp * (self.tp or 1)))}")
-        # The plan rules: TrainingPlan.validate() (and, for a pinned split, memkit.parallel.validate_parallel)
+        # The plan rules: TrainingPlan.validate() (and, for a pinned split, memkit.plan.parallel.validate_parallel)
         # say them in their own words, of a plan with the pins and the workload. Unpinned ZeRO takes the
         # first stage the other pins allow.
         tp, pp = self.tp or 1, self.pp or 1
@@ -173,7 +173,7 @@ def _probe_pins(request: Request) -> dict:
 
 def workload_knobs(request: Request) -> dict:
     """The plan knobs the request fixes and the planner does not search (seq_len, attention, the
-    LoRA adapters): every plan it offers has them (memkit/plan.py, the "workload" knobs)."""
+    LoRA adapters): every plan it offers has them (memkit/plan/plan.py, the "workload" knobs)."""
     return {f.name: getattr(request, f.name) for f in knob_fields("workload")}
 
 
@@ -196,7 +196,7 @@ class Tier:
     precisions: tuple[str, ...]
     optimizers: tuple[str, ...]
     quantize_base: str = "none"
-    """'nf4' / 'fp4': every plan of the tier has a 4-bit base (memkit/quantize.py)."""
+    """'nf4' / 'fp4': every plan of the tier has a 4-bit base (memkit/plan/quantize.py)."""
 
 
 def tiers(request: Request) -> list[Tier]:
@@ -220,7 +220,7 @@ def tiers(request: Request) -> list[Tier]:
 
 
 def _split_degrees(request: Request) -> tuple[list[int], list[int]]:
-    """Degrees the runner can split this model into (memkit.parallel)."""
+    """Degrees the runner can split this model into (memkit.plan.parallel)."""
     can_tp, can_pp = split_families(request.model, lora=bool(request.lora_rank))
     tps = tp_choices(request.model, request.hardware.num_gpus_per_node) if can_tp else [1]
     pps = pp_choices(request.model) if can_pp else [1]
@@ -347,12 +347,12 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     tp, pp, dp = layout
     buckets = bucket_sizes(request.model, request.hardware)
     zeros = [request.zero_stage] if request.zero_stage is not None else [0, 1, 2, 3]
-    zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.parallel: what the runner runs
+    zeros = [z for z in zeros if z in run_zero_stages(tp, pp)]  # memkit.plan.parallel: what the runner runs
     quantized = quantized_knobs(tier.quantize_base, request.double_quant)
-    if quantized:  # memkit/quantize.py: plain PyTorch / DDP, nothing offloaded
+    if quantized:  # memkit/plan/quantize.py: plain PyTorch / DDP, nothing offloaded
         zeros = [z for z in zeros if z == 0]
     # Partial checkpointing (K blocks) is searched from each 'full' plan that fits (search.py
-    # finds the smallest K); the chunked loss is a structure of its own (memkit/techniques.py).
+    # finds the smallest K); the chunked loss is a structure of its own (memkit/plan/techniques.py).
     # Selective checkpointing only when pinned: its recompute (elementwise, memory-bound ops) is
     # not priced by the step-time model, which would take it for free.
     ckpts = [request.checkpointing] if request.checkpointing else ["none", "full"]
@@ -363,7 +363,7 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
         for optimizer in tier.optimizers:
             for zero in zeros:
                 if bf16_pure_needs_zero(TrainingPlan(precision=precision, zero_stage=zero, **quantized)):
-                    continue  # memkit/plan.py states the rule
+                    continue  # memkit/plan/plan.py states the rule
                 combos = _offload_combos(request, zero) if not quantized else [("none", "none")]
                 for off_opt, off_par in combos:
                     for overlap in ((True, False) if zero in (1, 2) else (zero == 3,)):
@@ -440,7 +440,7 @@ QUANTIZED_TIER = "quantized-base"
 
 
 def quantized_knobs(quantize_base: str, double_quant: bool) -> dict:
-    """Plan fields of a 4-bit base ({} for none): memkit/quantize.py runs them on plain PyTorch."""
+    """Plan fields of a 4-bit base ({} for none): memkit/plan/quantize.py runs them on plain PyTorch."""
     if quantize_base == "none":
         return {}
     return {"quantize_base": quantize_base, "double_quant": double_quant, "engine": "torch"}

@@ -1,5 +1,5 @@
 """The runner's side of activation offload and the optimizer in backward
-(rules: memkit/backward_techniques.py; bytes: memkit/estimate/backward_techniques.py).
+(rules: memkit/plan/backward_techniques.py; bytes: memkit/estimate/backward_techniques.py).
 
 `OffloadSavedTensors` is `torch.autograd.graph.save_on_cpu(pin_memory=True)` (torch/autograd/graph.py)
 with torchtune's two refinements (torchtune/training/_activation_offloading.py): parameters and

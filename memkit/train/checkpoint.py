@@ -766,7 +766,7 @@ def save_final_model(accelerator, model, tokenizer, folder: Path | None, *, lora
     adapter_config.json, what PeftModel.from_pretrained loads onto the base model). It is not put
     inside `folder`: transformers' from_pretrained treats a folder with adapter_config.json as an
     adapter and loads its base model instead (transformers: utils/peft_utils.py, find_adapter_config_file).
-    `folder` None (a 4-bit base, memkit/quantize.py): the adapter only; merging it into packed 4-bit
+    `folder` None (a 4-bit base, memkit/plan/quantize.py): the adapter only; merging it into packed 4-bit
     weights would re-quantise them, so the result is the original base + this adapter.
     """
     state = gathered_state_dict(accelerator, model)

@@ -5,7 +5,7 @@ its forward computes the logits of `chunk` tokens at a time and keeps only the l
 backward recomputes each chunk's logits from the saved hidden states and turns them in place
 into the softmax gradient, accumulating grad_hidden and grad_weight (addmm_) chunk by chunk.
 The bytes it holds are priced in memkit/estimate/techniques.py; the chunk size rule is
-memkit/techniques.py's (liger-kernel's). Numerics: the forward runs the matmul in the autocast
+memkit/plan/techniques.py's (liger-kernel's). Numerics: the forward runs the matmul in the autocast
 dtype when autocast is on (as HF's lm_head would), the cross-entropy in fp32; the backward
 works in the weight's dtype (fp32 under AMP).
 
@@ -24,7 +24,7 @@ import functools
 import torch
 
 from memkit.errors import MemkitError
-from memkit.techniques import loss_chunk_tokens
+from memkit.plan.techniques import loss_chunk_tokens
 
 IGNORE_INDEX = -100  # transformers / torch cross_entropy default
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memkit.errors import MemkitError
-from memkit.plan import DEFAULT_LR, TrainingPlan, knob_fields
+from memkit.plan.plan import DEFAULT_LR, TrainingPlan, knob_fields
 
 PLAN_FLAGS = tuple(f.name for f in knob_fields("run"))
-"""Plan knobs the runner also takes as flags (runs without a plan.json): memkit/plan.py declares them."""
+"""Plan knobs the runner also takes as flags (runs without a plan.json): memkit/plan/plan.py declares them."""
 SCALE_LR = ("none", "linear", "sqrt")
 LR_DECAYS = ("cosine", "linear", "constant")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -329,12 +329,12 @@ def fill_deepspeed_autos(ds_config: dict, plan: TrainingPlan) -> list[str]:
 def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path, model_name: str,
                 env: dict | None) -> None:
     """Before any process group exists: MemkitError (one line, exit 2) unless the runner can run
-    `plan`'s tensor/pipeline split on this model and this launch (memkit.parallel
+    `plan`'s tensor/pipeline split on this model and this launch (memkit.plan.parallel
     .validate_parallel, rank_layout).
     env: the launched process's environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE); None before
     the launch, when only the plan and the model can be checked."""
     from memkit.emit.plan_doc import PlanDocument
-    from memkit.parallel import rank_layout, validate_parallel
+    from memkit.plan.parallel import rank_layout, validate_parallel
     from memkit.spec.hf import spec_from_config
 
     # --resume / --save-every: split runs checkpoint (memkit.train.split_checkpoint); a resume the
@@ -350,7 +350,7 @@ def check_split(plan: TrainingPlan, plan_doc: dict | None, *, config_path: Path,
     world = int(env.get("WORLD_SIZE", "1"))
     rank_layout(plan, rank=int(env.get("RANK", "0")), world_size=world)  # the launched world
     launched_per_node = int(env.get("LOCAL_WORLD_SIZE", world))
-    from memkit.parallel import tp_spans_nodes
+    from memkit.plan.parallel import tp_spans_nodes
 
     if tp_spans_nodes(plan.tp, launched_per_node):
         raise MemkitError(f"tp={plan.tp} but {launched_per_node} processes per node were launched, so a "

@@ -41,7 +41,7 @@ import torch
 
 from memkit.train.supervise import EXIT_SIGNAL, descendants
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.train.checkpoint import CheckpointManager, CheckpointWriteError, resolve_resume, save_final_model
 from memkit.train.config import (DEFAULT_PREEMPT_GRACE_S, RunConfig, fill_deepspeed_autos, lr_at,
                                  resolve_plan, steps_for_epochs)
@@ -147,7 +147,7 @@ def build_optimizer(params, plan: TrainingPlan, run: RunConfig, *, cpu_offload: 
             raise MemkitError("--optimizer adamw-8bit needs bitsandbytes; pip install bitsandbytes "
                               "or use adamw") from None
         return bnb.optim.AdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)
-    if plan.optimizer == "paged-adamw-8bit":  # CUDA unified memory; refused on CPU (memkit/techniques.py)
+    if plan.optimizer == "paged-adamw-8bit":  # CUDA unified memory; refused on CPU (memkit/plan/techniques.py)
         import bitsandbytes as bnb
 
         return bnb.optim.PagedAdamW8bit(groups, lr=run.lr, betas=run.adam_betas, eps=run.adam_eps)

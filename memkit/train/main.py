@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan, add_knob_flags, knob_values
+from memkit.plan.plan import TrainingPlan, add_knob_flags, knob_values
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     p.add_argument("--num-epochs", type=float,
                    help="passes over the data instead of --max-steps (steps = ceil(epochs x sequences / global batch))")
     g = p.add_argument_group("plan knobs (runs without --plan; with --plan they must agree with it)")
-    add_knob_flags(g, "run")  # memkit/plan.py declares each knob; None = not given (plan.json decides)
+    add_knob_flags(g, "run")  # memkit/plan/plan.py declares each knob; None = not given (plan.json decides)
     o = p.add_argument_group("optimisation")
     o.add_argument("--lr", type=float, default=None,
                    help="peak LR at --ref-batch-size (default 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA: "
@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
 
 
 def plan_flags(args: argparse.Namespace) -> dict:
-    """plan field -> its flag's value (None: not given) for every knob the runner takes (memkit/plan.py)."""
+    """plan field -> its flag's value (None: not given) for every knob the runner takes (memkit/plan/plan.py)."""
     return knob_values(args, "run")
 
 

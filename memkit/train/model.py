@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 from memkit.errors import MemkitError
-from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.plan.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
 from memkit.spec.resolve import WEIGHT_FILES, ModelSource, resolve_model  # noqa: F401 (the one resolver; main.py uses it)
 
 

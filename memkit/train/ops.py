@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
 """DeepSpeed op NAME -> its builder class (deepspeed/ops/op_builder: cpu_adam.py, fused_adam.py;

@@ -10,7 +10,7 @@ training_column_lm_head). ZeRO 0-2 only. Every rank of a TP group must see the s
 (DeepSpeed checks it on the first forward): shard data by `RankLayout.dp_rank`, never by rank.
 
 Pipeline parallel (plan.pp_engine == "torch"): torch.distributed.pipelining with one stage per
-rank. Each stage is the HF model cut down to its decoder layers (memkit.parallel
+rank. Each stage is the HF model cut down to its decoder layers (memkit.plan.parallel
 .stage_layers, so estimate and run split alike), the embedding on the first stage and the final
 norm + LM head on the last; the plan's grad_accum micro-batches are the pipeline micro-batches
 (ScheduleGPipe, Huang et al. 2019; Schedule1F1B, Narayanan et al. 2021, Sec. 2.2). A tied
@@ -18,7 +18,7 @@ embedding lives on the first and the last stage and their gradients are summed (
 embedding group, Shoeybi et al. 2019). Data parallel replicas of the pipeline average gradients
 over the dp group.
 
-Tensor x pipeline parallel (tp > 1 and pp > 1, memkit.parallel.RUN_TP_PP): the pipeline above,
+Tensor x pipeline parallel (tp > 1 and pp > 1, memkit.plan.parallel.RUN_TP_PP): the pipeline above,
 and inside each stage torch's own tensor parallel (DTensor, parallelize_module with the
 Megatron column/row split of STAGE_TP_PLAN, the LM head column-parallel with gathered logits),
 as torchtitan combines them (torchtitan/models/llama3/infra/parallelize.py). AutoTP is not used
@@ -26,7 +26,7 @@ here because it lives inside the DeepSpeed engine, which the pipeline schedule r
 pipeline, data-parallel and tied-embedding groups are formed per TP rank.
 
 Which splits run with which engine and ZeRO stage, the checks, the rank layout and the stage
-split are stated in memkit/parallel.py; this module only applies them (it needs torch).
+split are stated in memkit/plan/parallel.py; this module only applies them (it needs torch).
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from typing import Any
 
 from memkit.emit.deepspeed import batch_fields
 from memkit.errors import MemkitError
-from memkit.parallel import RankLayout, rank_layout, stage_layers  # noqa: F401 (rank_layout: loop.py imports it here)
-from memkit.plan import TrainingPlan
+from memkit.plan.parallel import RankLayout, rank_layout, stage_layers  # noqa: F401 (rank_layout: loop.py imports it here)
+from memkit.plan.plan import TrainingPlan
 
 # torch is imported inside the functions that need it, so validation stays instant (memkit/ARCHITECTURE.md).
 
@@ -48,7 +48,7 @@ IGNORE_INDEX = -100
 
 def autotp_deepspeed_config(ds_config: dict, plan: TrainingPlan) -> dict:
     """A copy of `ds_config` that runs AutoTP: the tensor_parallel block, and the batch fields as
-    DeepSpeed checks them (memkit.parallel.deepspeed_data_ranks: every rank of a TP group counts)."""
+    DeepSpeed checks them (memkit.plan.parallel.deepspeed_data_ranks: every rank of a TP group counts)."""
     out = copy.deepcopy(ds_config)
     stage = out.get("zero_optimization", {}).get("stage", 0)
     if stage > 2:

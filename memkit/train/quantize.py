@@ -1,4 +1,4 @@
-"""The runner's side of QLoRA (rules and bytes: memkit/quantize.py): load the base with its linear
+"""The runner's side of QLoRA (rules and bytes: memkit/plan/quantize.py): load the base with its linear
 weights in 4 bits through transformers' BitsAndBytesConfig, then peft's
 prepare_model_for_kbit_training. Used by memkit/train/loop.py and memkit/calibrate/cpu_step.py, and
 printed into the bundle's Trainer recipe (memkit/emit/trainer.py bnb_config_kwargs), so the
@@ -9,8 +9,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from memkit.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
-from memkit.quantize import COMPUTE_DTYPE
+from memkit.plan.plan import HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.plan.quantize import COMPUTE_DTYPE
 
 
 def bnb_config(plan: TrainingPlan):

@@ -1,7 +1,7 @@
 """The end-of-run report: measured peak memory and throughput next to the plan's prediction."""
 from __future__ import annotations
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.units import format_bytes
 
 # measured key -> (plan.json section, predicted key). MemoryEstimate.allocated_peak_bytes is what

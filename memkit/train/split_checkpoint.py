@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memkit.errors import MemkitError
-from memkit.parallel import SPLIT_LIMITS
+from memkit.plan.parallel import SPLIT_LIMITS
 
 if TYPE_CHECKING:   # annotations only; torch is imported where the functions run
     import torch

@@ -1,4 +1,4 @@
-"""The runner's side of the memory-saving techniques (rules: memkit/techniques.py): activation
+"""The runner's side of the memory-saving techniques (rules: memkit/plan/techniques.py): activation
 checkpointing of all or the first K decoder blocks, and the chunked loss. Used by
 memkit/train/model.py (apply_plan), memkit/train/loop.py and memkit/calibrate/cpu_step.py, so the
 runner, the CPU measurements and the Trainer recipe run the same code.
@@ -6,8 +6,8 @@ runner, the CPU measurements and the Trainer recipe run the same code.
 from __future__ import annotations
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
-from memkit.techniques import CPU_REFUSALS, checkpointed_blocks, partial_blocks_error
+from memkit.plan.plan import TrainingPlan
+from memkit.plan.techniques import CPU_REFUSALS, checkpointed_blocks, partial_blocks_error
 
 
 def apply_checkpointing(model, checkpointing: str, *, reentrant: bool = False) -> list[int]:

@@ -13,7 +13,7 @@ import yaml
 
 from memkit.emit.accelerate import accelerate_config
 from memkit.emit.deepspeed import deepspeed_config
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FINETUNE = REPO / "launch" / "finetune.py"

@@ -27,7 +27,7 @@ import pytest
 
 from runner_util import TEXT_DATA, final_params, launch, write_bundle, write_tiny_llama
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS = 4

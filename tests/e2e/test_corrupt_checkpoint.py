@@ -25,7 +25,7 @@ import pytest
 
 from runner_util import TEXT_DATA, events, final_params, launch, read_log, write_bundle, write_tiny_llama
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 SMALL_BUCKETS = dict(reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000,

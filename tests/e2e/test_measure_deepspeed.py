@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 

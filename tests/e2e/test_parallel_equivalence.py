@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import spec_from_config
 
@@ -93,7 +93,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                           [*LLAMA_ARGS, "--grad-accum", "4", "--pp", "2", "--pp-schedule", "gpipe"]),
         # Same global batch (8 sequences) as ref: 2 dp shards x micro 2 x accum 2.
         "tp2_dp2": _run(tmp, "tp2_dp2", LLAMA, 4, [*LLAMA_ARGS, "--grad-accum", "2", "--tp", "2"]),
-        # torch tensor parallel inside each pipeline stage (memkit.parallel.RUN_TP_PP).
+        # torch tensor parallel inside each pipeline stage (memkit.plan.parallel.RUN_TP_PP).
         "tp2_pp2": _run(tmp, "tp2_pp2", LLAMA, 4, [*LLAMA_ARGS, "--grad-accum", "4", "--tp", "2", "--pp", "2"]),
         "gemma_ref": _run(tmp, "gemma_ref", GEMMA2, 1, [*GEMMA_ARGS, "--grad-accum", "4"]),
         "gemma_pp2_dp2": _run(tmp, "gemma_pp2_dp2", GEMMA2, 4, [*GEMMA_ARGS, "--grad-accum", "2", "--pp", "2"]),

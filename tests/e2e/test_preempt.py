@@ -29,7 +29,7 @@ from runner_util import FINETUNE, REPO, TEXT_DATA, env, events, final_params, fr
     write_tiny_llama
 
 from memkit.train.supervise import EXIT_SIGNAL, descendants, launcher_env
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 MAX_STEPS = 12

@@ -31,7 +31,7 @@ import torch
 from runner_util import (QA_DATA, REPO, TEXT_DATA, env, events, final_params, free_port, launch, read_log,
                          write_bundle, write_tiny_llama)
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -221,7 +221,7 @@ def test_verify_reports_prediction_and_oom(tmp_path, tiny):
                         **SMALL_BUCKETS)
     config, plan_path = write_bundle(tmp_path / "bundle", plan)
     doc = json.loads(plan_path.read_text())
-    # an alternative as suggest writes it (emit/plan_doc.py candidate_dict; memkit/plan_schema.py checks it)
+    # an alternative as suggest writes it (emit/plan_doc.py candidate_dict; memkit/plan/plan_schema.py checks it)
     est, speed = doc["estimate"], doc["step_time"]
     doc["alternatives"] = [{"label": "zero3+offload", "plan": {**doc["plan"], "offload_optimizer": "cpu"},
                             "allocated_peak_bytes": est["allocated_peak_bytes"] // 2,

@@ -1,4 +1,4 @@
-"""The runner with activation offload and the optimizer in backward (memkit/backward_techniques.py).
+"""The runner with activation offload and the optimizer in backward (memkit/plan/backward_techniques.py).
 
 - One process, plain PyTorch, fp32 AdamW, 3 steps from plan.json: --optimizer-in-backward and
   --offload-activations cpu (copies forced on CPU, so pack and unpack really run) give the plain
@@ -18,7 +18,7 @@ import pytest
 from runner_util import (FINETUNE, REPO, TEXT_DATA, env, events, final_params, launch, plan_document,
                          read_log, write_bundle, write_tiny_llama)
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 COMMON = ["--data", str(TEXT_DATA), "--max-steps", "3", "--lr", "1e-3", "--lr-decay", "constant",

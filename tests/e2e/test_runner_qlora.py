@@ -20,7 +20,7 @@ import yaml
 from runner_util import TEXT_DATA, TINY_LLAMA, events, launch, plan_document, read_log
 
 from memkit.emit.accelerate import accelerate_config
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memkit.cli.estimate import alloc_conf_note
 from memkit.emit.bundle import alloc_conf_lines
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.train.main import ALLOC_CONF, set_alloc_conf
 
 

@@ -1,4 +1,4 @@
-"""Activation offload and the optimizer in backward (memkit/backward_techniques.py): the rules,
+"""Activation offload and the optimizer in backward (memkit/plan/backward_techniques.py): the rules,
 the estimator's formulas on hand-worked figures, and the runner's hooks against the plain run
 (memkit/train/backward_techniques.py) on tiny models built from configs.
 
@@ -16,7 +16,7 @@ from memkit.estimate.backward_techniques import (IN_BACKWARD_OPS_PER_TENSOR, act
                                                  largest_block_tensor, offloaded_activation_bytes)
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.throughput import OP_DISPATCH_S, _param_tensors, estimate_step_time
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 

@@ -372,7 +372,7 @@ def test_text_checks_accept_real_utf8(tmp_path):
         check_text_file(path, what="--data")
 
 
-# ---- mutations generated from the schemas (memkit/plan_schema.py) ---------------------------------
+# ---- mutations generated from the schemas (memkit/plan/plan_schema.py) ---------------------------------
 
 def _wrong_values(spec) -> list[tuple[str, object]]:
     """(kind, value) that the field `spec` must refuse: a wrong JSON type, out of range."""
@@ -391,7 +391,7 @@ def _wrong_values(spec) -> list[tuple[str, object]]:
 
 def _schema_cases() -> list[tuple[str, str, str, object]]:
     """(id, section, field, value or MISSING) for every field of plan.json's schema."""
-    from memkit.plan_schema import SECTIONS, TOP, plan_fields
+    from memkit.plan.plan_schema import SECTIONS, TOP, plan_fields
 
     tables = {"": {k: v for k, v in TOP.items() if k not in SECTIONS and k != "plan"}, "plan": plan_fields(),
               **SECTIONS}
@@ -453,8 +453,8 @@ def test_plan_json_schema_mutation_is_refused(case, inputs, tmp_path, capsys, mo
 def test_optional_plan_fields_default_when_missing(inputs):
     """A plan field the schema does not require reads as TrainingPlan's default (DeepSpeed's own)."""
     from memkit.emit import plan_doc
-    from memkit.plan import TrainingPlan
-    from memkit.plan_schema import plan_fields
+    from memkit.plan.plan import TrainingPlan
+    from memkit.plan.plan_schema import plan_fields
 
     doc = json.loads(Path(inputs["plan"]).read_text())
     optional = [name for name, spec in plan_fields().items() if not spec.required]
@@ -512,7 +512,7 @@ def test_previous_format_is_migrated(inputs):
 def _deepspeed_cases() -> list[tuple[str, str, object]]:
     """(id, dotted key, value) from ds_config.json's schema: the batch counts, and every field of the
     zero_optimization / bf16 block memkit writes, typed by DeepSpeed's own models."""
-    from memkit.plan_schema import DEEPSPEED_BATCH_KEYS
+    from memkit.plan.plan_schema import DEEPSPEED_BATCH_KEYS
 
     cases = []
     for key in DEEPSPEED_BATCH_KEYS:

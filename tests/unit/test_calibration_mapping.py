@@ -46,7 +46,7 @@ def test_every_record_maps_or_states_why_not(records, outcomes):
             assert o.case.model is not None and o.case.plan is not None, o.case.case_id
     skipped = sorted(o.case.case_id for o in outcomes if o.case.kind == "skip")
     # Only QLoRA runs sharded by ZeRO-3 / FSDP (the PEFT docs' Llama-2-70B) are outside what a plan
-    # can express: memkit prices 4-bit bases unsharded (memkit/quantize.py).
+    # can express: memkit prices 4-bit bases unsharded (memkit/plan/quantize.py).
     assert skipped == ["peftdoc-llama2-70b-qlora-fsdp-nooffload-2gpu", "peftdoc-llama2-70b-qlora-fsdp-offload-2gpu",
                        "peftdoc-llama2-70b-qlora-z3-2x40"]
     reasons = {o.case.case_id: o.case.skip_reason for o in outcomes if o.case.kind == "skip"}

@@ -60,7 +60,7 @@ def test_trainer_run_feeds_the_local_profile_that_a_later_estimate_uses(tmp_path
 
     from memkit import profile
     from memkit.cli.main import main
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     monkeypatch.setenv(profile.ENV, str(tmp_path / "profile.json"))
     cfg = dict(TINY_LLAMA)
@@ -104,7 +104,7 @@ def test_trainer_run_feeds_the_local_profile_that_a_later_estimate_uses(tmp_path
 
 def test_api_estimate_and_suggest_match_the_library():
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import load_model_spec
 
@@ -121,7 +121,7 @@ def test_api_estimate_and_suggest_match_the_library():
 
 
 def test_training_arguments_carry_the_plan(tmp_path):
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     plan = TrainingPlan(precision="fp32", micro_batch_size=2, grad_accum=4, checkpointing="full", seq_len=64,
                         engine="torch")
@@ -135,7 +135,7 @@ def test_training_arguments_carry_the_plan(tmp_path):
 def test_training_arguments_from_a_plan_json_use_the_deepspeed_file_beside_it(tmp_path):
     from runner_util import write_bundle
 
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     plan = TrainingPlan(precision="fp32", zero_stage=2, micro_batch_size=1, grad_accum=2, seq_len=64, dp=2)
     _, plan_path = write_bundle(tmp_path / "bundle", plan)

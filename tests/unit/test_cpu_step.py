@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from memkit.errors import MemkitError  # noqa: E402
 from memkit.calibrate.cpu_step import count_params, measure_training  # noqa: E402
-from memkit.plan import TrainingPlan  # noqa: E402
+from memkit.plan.plan import TrainingPlan  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from memkit.cli.main import main
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.train.ops import find_locks, ops_for
 
 

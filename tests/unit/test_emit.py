@@ -22,7 +22,7 @@ from memkit.emit.bundle import FILES, bundle_files, plan_document, write_bundle
 from memkit.emit.deepspeed import batch_fields, deepspeed_config
 from memkit.emit.trainer import trainer_arguments
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "emit"
 MODEL = "qwen2.5-0.5b"

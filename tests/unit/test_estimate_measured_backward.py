@@ -1,5 +1,5 @@
 """The estimator against measured memory for activation offload and the optimizer in backward
-(memkit/backward_techniques.py) on Llama (GQA, untied), GPT-2 (tied, dropout), Qwen2 (tied) and
+(memkit/plan/backward_techniques.py) on Llama (GQA, untied), GPT-2 (tied, dropout), Qwen2 (tied) and
 GPT-NeoX. tests/golden/cpu_measurements_backward.json is written by
 `python benchmarks/measure_cpu_backward.py --out tests/golden/cpu_measurements_backward.json`
 (the runner's own hooks: memkit/train/backward_techniques.py; offload measured with a store the
@@ -14,7 +14,7 @@ import pytest
 
 from memkit.estimate.backward_techniques import offloaded_activation_bytes
 from memkit.estimate.memory import estimate_memory
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import spec_from_config
 

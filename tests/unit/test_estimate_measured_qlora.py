@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from memkit.estimate.memory import estimate_memory
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import spec_from_config
 

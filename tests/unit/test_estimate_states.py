@@ -19,7 +19,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from memkit.estimate.memory import rank_params
 from memkit.estimate.states import model_states
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hf import load_model_spec
 
 

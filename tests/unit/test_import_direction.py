@@ -2,8 +2,8 @@
 belongs to one layer of base < spec < plan < estimate < {planner, emit} < measure < train <
 calibrate < cli, and imports only from its own layer or the layers below, at module level or
 inside a function; planner/ and emit/ share a rank and import neither each other. So no layer
-imports upward and no two layers import each other in a circle. The pure core - spec/, plan.py,
-parallel.py, estimate/, planner/, emit/ - never reaches train/, measure/ or cli/, directly or
+imports upward and no two layers import each other in a circle. The pure core - spec/, plan/,
+estimate/, planner/, emit/ - never reaches train/, measure/ or cli/, directly or
 through another memkit module. Checked on the source with ast (nothing is imported), following
 every `memkit.*` import."""
 from __future__ import annotations
@@ -19,8 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memkit"
 LAYERS = (
     ("base", ("memkit", "memkit.errors", "memkit.units", "memkit.fileio", "memkit.presets_dir")),
     ("spec", ("memkit.spec",)),
-    ("plan", ("memkit.plan", "memkit.plan_schema", "memkit.parallel", "memkit.limits", "memkit.techniques",
-              "memkit.backward_techniques", "memkit.quantize")),
+    ("plan", ("memkit.plan",)),  # the plan/ package: TrainingPlan, split / technique rules, limits, schema
     ("estimate", ("memkit.estimate", "memkit.profile")),
     ("planner", ("memkit.planner",)),
     ("emit", ("memkit.emit",)),
@@ -33,7 +32,7 @@ LAYERS = (
              "memkit.presets_gen", "memkit.train.main")),
 )
 SAME_RANK = {"planner": "emit", "emit": "planner"}  # {planner, emit}: side by side
-CORE = ("memkit.spec", "memkit.plan", "memkit.parallel", "memkit.estimate", "memkit.planner", "memkit.emit")
+CORE = ("memkit.spec", "memkit.plan", "memkit.estimate", "memkit.planner", "memkit.emit")
 FORBIDDEN = ("memkit.train", "memkit.measure", "memkit.cli")
 
 
@@ -101,7 +100,7 @@ def test_every_module_has_a_layer():
     unplaced = [n for n in all_modules() if n != "memkit" and layer_of(n) == "base"
                 and n not in dict(LAYERS)["base"]]
     assert unplaced == []
-    assert [layer_of(n) for n in ("memkit.errors", "memkit.spec.hf", "memkit.limits", "memkit.profile",
+    assert [layer_of(n) for n in ("memkit.errors", "memkit.spec.hf", "memkit.plan.limits", "memkit.profile",
                                   "memkit.emit.plan_doc", "memkit.train.loop", "memkit.train.main",
                                   "memkit.calibrate.cpu_step", "memkit.api")] == \
         ["base", "spec", "plan", "estimate", "emit", "train", "cli", "calibrate", "cli"]
@@ -131,7 +130,7 @@ def test_the_layers_rank_as_documented():
 
 def test_the_core_is_found():
     names = core_modules()
-    for expected in ("memkit.parallel", "memkit.plan", "memkit.spec.resolve", "memkit.emit.plan_doc",
+    for expected in ("memkit.plan.parallel", "memkit.plan.plan", "memkit.plan", "memkit.spec.resolve", "memkit.emit.plan_doc",
                      "memkit.planner.search", "memkit.estimate.memory"):
         assert expected in names
 
@@ -153,4 +152,4 @@ def test_core_never_reaches_train_measure_or_cli(start):
 def test_the_walk_sees_function_level_imports():
     # memkit.train.config imports memkit.emit.plan_doc inside read_plan_file only.
     assert "memkit.emit.plan_doc" in imports_of("memkit.train.config")
-    assert "memkit.parallel" in imports_of("memkit.planner.space")
+    assert "memkit.plan.parallel" in imports_of("memkit.planner.space")

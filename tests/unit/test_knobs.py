@@ -1,4 +1,4 @@
-"""One declaration per knob (memkit/plan.py): the flags of estimate, suggest, the runner and the
+"""One declaration per knob (memkit/plan/plan.py): the flags of estimate, suggest, the runner and the
 split harness, the planner Request's knob fields and the validation all come from TrainingPlan's
 fields; and the knob added on top of them, --lora-alpha / --lora-dropout, is priced (dropout only),
 recorded in plan.json and emitted to adapter_config.json and the Trainer recipe."""
@@ -12,7 +12,7 @@ import pytest
 
 from memkit.cli.main import main
 from memkit.errors import MemkitError
-from memkit.plan import (BF16_PURE_ZERO_ERROR, TrainingPlan, add_knob_flags, flag_name, knob_choices, knob_fields,
+from memkit.plan.plan import (BF16_PURE_ZERO_ERROR, TrainingPlan, add_knob_flags, flag_name, knob_choices, knob_fields,
                          knob_values)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 FAKE_SRUN = """#!/bin/bash
 # srun [--opt=value]... bash -c CMD NAME ARGS...: run the step here as node 0.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 FAKE_SSH = f"""#!/bin/bash
 # ssh [-o OPT]... HOST COMMAND: run COMMAND here, as sshd would run it on HOST: with default signal

@@ -9,7 +9,7 @@ import pytest
 
 from memkit.estimate.cuda_extras import nccl_bytes, nvls_bytes
 from memkit.estimate.memory import estimate_memory
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 from memkit.spec.stack import Stack, behaviour

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from memkit.calibrate.cpu_step import build_config as measured_config  # noqa: E402
 from memkit.emit.plan_doc import read_plan_fields  # noqa: E402
 from memkit.errors import MemkitError  # noqa: E402
-from memkit.plan import TrainingPlan  # noqa: E402
+from memkit.plan.plan import TrainingPlan  # noqa: E402
 from memkit.spec.resolve import resolve_model  # noqa: E402
 from memkit.estimate.traced import build_config as traced_config  # noqa: E402
 from memkit.train.model import load_config  # noqa: E402

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
-from memkit.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, rank_layout, stage_layers, validate_parallel
+from memkit.plan.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, rank_layout, stage_layers, validate_parallel
 from memkit.train.parallel import autotp_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_plans_the_runner_cannot_run(plan, match):
 
 
 def test_tp_times_pp_runs_with_the_engines_split_plan_gives_it():
-    from memkit.parallel import split_name, split_plan
+    from memkit.plan.parallel import split_name, split_plan
 
     plan = split_plan(TrainingPlan(precision="fp32", tp=2, pp=2, grad_accum=2))
     assert (plan.engine, plan.tp_engine, plan.pp_engine, plan.pp_schedule) == ("torch", "tp_plan", "torch", "1f1b")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from memkit.estimate.pipeline import stage_buffers, stage_logits_bytes
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 BOUNDARY = 2 * 64 * 128 * 4
 LOGITS = 2 * 64 * 512 * 4

@@ -16,7 +16,7 @@ import pytest
 from memkit.estimate.allocator import K_LARGE_BUFFER
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.throughput import estimate_step_time
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.planner.space import bucket_sizes
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from memkit.cli.main import main
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 BASE = ["suggest", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--num-gpus", "2",
         "--global-batch-size", "64", "--seq-len", "2048"]

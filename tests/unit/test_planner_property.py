@@ -15,7 +15,7 @@ from memkit.planner.search import UPPER_BOUND_FALLBACK_NOTE
 from memkit.planner.space import pins
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
-from memkit.parallel import validate_parallel
+from memkit.plan.parallel import validate_parallel
 from memkit.units import GIB
 
 MODELS = ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-2-2b", "llama-3.1-8b", "phi-2", "opt-1.3b", "qwen2.5-14b"]
@@ -105,7 +105,7 @@ def test_every_answer_is_exact_and_within_budget(req):
         if plan.pp > 1:  # torch.distributed.pipelining: no DeepSpeed file, >= pp micro-batches
             assert plan.engine == "torch" and plan.zero_stage == 0 and plan.grad_accum >= plan.pp
             continue
-        if plan.is_quantized:  # a 4-bit base: plain PyTorch / DDP, no DeepSpeed file (memkit/quantize.py)
+        if plan.is_quantized:  # a 4-bit base: plain PyTorch / DDP, no DeepSpeed file (memkit/plan/quantize.py)
             assert plan.engine == "torch" and plan.zero_stage == 0 and plan.lora_rank > 0
             assert plan.offload_optimizer == plan.offload_params == "none"
             continue

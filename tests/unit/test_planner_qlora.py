@@ -1,4 +1,4 @@
-"""The planner's QLoRA rule (planner/search.py _quantized_instead, memkit/quantize.py): for a
+"""The planner's QLoRA rule (planner/search.py _quantized_instead, memkit/plan/quantize.py): for a
 LoRA request with --allow qlora (#28: a 4-bit base changes what is trained, so never unasked) a
 4-bit NF4 base is chosen only when the fastest 16-bit-base plan that fits offloads and the 4-bit
 plan is priced faster; pinnable both ways; never for full fine-tuning."""

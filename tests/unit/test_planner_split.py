@@ -1,5 +1,5 @@
 """Model splits in the planner and the runner's plan checks: tp/pp are offered only as the runner
-runs them (memkit.parallel.validate_parallel), chosen when and only when nothing fits
+runs them (memkit.plan.parallel.validate_parallel), chosen when and only when nothing fits
 without them or the step-time model says they are faster by more than its stated uncertainty
 (never for batch arithmetic), explained in one line; bad split requests are one line, exit 2."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 
 from memkit.cli.main import main
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.planner import NoPlanFits, Request, search
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
 from memkit.spec.hf import load_model_spec, spec_from_config
 from memkit.train.config import check_split, knobs_from_deepspeed, resolve_plan
-from memkit.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
+from memkit.plan.parallel import PP_MODEL_TYPES, TP_MODEL_TYPES, validate_parallel
 from memkit.units import GIB
 
 

@@ -1,4 +1,4 @@
-"""The planner uses the chunked loss and partial checkpointing (memkit/techniques.py) where
+"""The planner uses the chunked loss and partial checkpointing (memkit/plan/techniques.py) where
 they make a plan fit without offload, and picks the smallest number of checkpointed blocks."""
 from __future__ import annotations
 

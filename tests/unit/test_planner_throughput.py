@@ -11,7 +11,7 @@ from memkit.estimate import throughput as tp_model
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.throughput import estimate_step_time, flops_per_token, matmul_params
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 

@@ -8,7 +8,7 @@ import pytest
 
 from memkit import profile
 from memkit.estimate.memory import estimate_memory, with_upper_bounds
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import spec_from_config
 from memkit.spec.stack import installed

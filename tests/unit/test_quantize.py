@@ -1,4 +1,4 @@
-"""QLoRA byte rules (memkit/quantize.py, estimate/quantized.py) on hand-worked examples, checked
+"""QLoRA byte rules (memkit/plan/quantize.py, estimate/quantized.py) on hand-worked examples, checked
 against the storages bitsandbytes 0.50 really allocates on CPU, and the knob's refusals."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from memkit.errors import MemkitError
 from memkit.estimate.quantized import base_bytes, dequantized_weight_bytes, quantized_numel
-from memkit.plan import TrainingPlan
-from memkit.quantize import absmax_bytes, bits_per_param, packed_bytes, quant_state_bytes
+from memkit.plan.plan import TrainingPlan
+from memkit.plan.quantize import absmax_bytes, bits_per_param, packed_bytes, quant_state_bytes
 from memkit.spec.hf import spec_from_config
 
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,

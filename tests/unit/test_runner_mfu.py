@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 BASE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from memkit.errors import MemkitError
-from memkit.parallel import stage_layers
-from memkit.plan import TrainingPlan
+from memkit.plan.parallel import stage_layers
+from memkit.plan.plan import TrainingPlan
 from memkit.train import split_checkpoint as sc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))

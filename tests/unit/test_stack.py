@@ -59,7 +59,7 @@ def _loss_peak(path: str, b: int, s: int, vocab: int) -> int:
 
 def test_two_loss_paths_priced_as_measured():
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 
@@ -84,7 +84,7 @@ def test_torch1_adamw_loop_priced_as_measured_with_foreach_off():
     not the foreach one as large as all of them (measured here with foreach=False)."""
     from memkit.estimate.memory import estimate_memory
     from memkit.calibrate.cpu_step import measure_training
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 
@@ -132,7 +132,7 @@ def test_torch1_zero_grad_keeps_gradients_priced_as_measured():
     on CPU with set_to_none False and True, against the estimate for torch 1.13 and 2.4."""
     from memkit.estimate.memory import estimate_memory
     from memkit.calibrate.cpu_step import measure_training
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 

@@ -11,7 +11,7 @@ from memkit.estimate.quantized import dequantized_weight_bytes
 from memkit.estimate.stage_terms import TECHNIQUES, StageContext, stage_terms
 from memkit.estimate.states import model_states
 from memkit.estimate.techniques import selective_kept_bytes
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 from memkit.spec.stack import behaviour

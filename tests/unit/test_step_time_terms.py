@@ -8,7 +8,7 @@ import pytest
 from memkit.estimate import kernels
 from memkit.estimate import throughput as tp_model
 from memkit.estimate.throughput import estimate_step_time
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 from memkit.spec.stack import Stack

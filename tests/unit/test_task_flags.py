@@ -9,7 +9,7 @@ import json
 import pytest
 
 from memkit.cli.main import main
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 
 BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 128, "vocab_size": 500, "max_position_embeddings": 128}

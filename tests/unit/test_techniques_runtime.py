@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memkit.errors import MemkitError
-from memkit.techniques import loss_chunk_tokens
+from memkit.plan.techniques import loss_chunk_tokens
 from memkit.train.chunked_loss import IGNORE_INDEX, ChunkedCrossEntropy, chunked_causal_lm
 from memkit.train.techniques import apply_checkpointing, refuse_on_cpu
 
@@ -126,7 +126,7 @@ def test_partial_checkpointing_needs_fewer_blocks_than_the_model():
 
 
 def test_fused_loss_refused_on_cpu():
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine may run liger-kernel")
@@ -136,7 +136,7 @@ def test_fused_loss_refused_on_cpu():
 
 def test_paged_adamw_8bit_refused_on_cpu_and_priced_as_8bit_states():
     from memkit.estimate.states import optimizer_state_bytes_per_param
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     assert optimizer_state_bytes_per_param("paged-adamw-8bit", "bf16") == \
         optimizer_state_bytes_per_param("adamw-8bit", "bf16") == 2 * (1 + 4 / 256)
@@ -169,7 +169,7 @@ def test_trainer_recipe_model_code_runs_and_trains_the_plan(checkpointing):
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     from memkit.emit.trainer import trainer_recipe
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.train.chunked_loss import ChunkedLossHead
 
     recipe = trainer_recipe(TrainingPlan(checkpointing=checkpointing, loss="chunked"))

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from memkit.estimate.activations import block_activations, numerics  # noqa: E402
 from memkit.estimate.memory import estimate_memory  # noqa: E402
 from memkit.estimate.traced import _trace, trace_plan  # noqa: E402
-from memkit.plan import TrainingPlan  # noqa: E402
+from memkit.plan.plan import TrainingPlan  # noqa: E402
 from memkit.spec.hardware import Hardware, find_gpu  # noqa: E402
 from memkit.spec.hf import load_model_spec, model_catalog, spec_from_config  # noqa: E402
 

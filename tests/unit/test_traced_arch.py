@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from memkit.estimate.activations import numerics  # noqa: E402
 from memkit.estimate.ssm import SCAN_BACKWARD_FULL_TENSORS  # noqa: E402
 from memkit.estimate.traced import _hybrid_period, _trace, auto_class_for, build_config  # noqa: E402
-from memkit.plan import TrainingPlan  # noqa: E402
+from memkit.plan.plan import TrainingPlan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from measure_cpu_arch import arch_configs  # noqa: E402  (benchmarks/measure_cpu_arch.py)

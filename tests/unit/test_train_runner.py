@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memkit.errors import MemkitError
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.train.config import fill_deepspeed_autos, knobs_from_deepspeed, lr_at, resolve_plan, scaled_lr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))

@@ -60,7 +60,7 @@ def test_sft_trainer_with_the_plan_and_the_callback(tmp_path, monkeypatch, capsy
     from trl import SFTConfig, SFTTrainer
 
     from memkit.estimate.memory import estimate_memory
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware, find_gpu
     from memkit.spec.hf import spec_from_config
 

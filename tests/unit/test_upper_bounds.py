@@ -10,7 +10,7 @@ import pytest
 from memkit.estimate.bounds import QUANTILE_LABEL, choose_quantile, loso_coverage, margin, plan_kind, quantile
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.residuals_table import RESIDUAL_MARGIN
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 

@@ -13,7 +13,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.memory import estimate_memory
 from memkit.estimate.varlen import estimate_varlen, padding_waste, parse_lengths, step_lengths
-from memkit.plan import TrainingPlan
+from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
 

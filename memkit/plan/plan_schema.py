@@ -27,7 +27,7 @@ MAX_BUFFER_ELEMENTS = 10**12
 (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig: Field(..., ge=0)); 10^12 fp32 elements
 is 4 TB, beyond any device, so larger is a typo."""
 MAX_GPUS = 1024 * 100_000
-"""dp x tp x pp at most: --num-gpus (1024 per node) x --num-nodes (100,000), memkit.limits.LIMITS."""
+"""dp x tp x pp at most: --num-gpus (1024 per node) x --num-nodes (100,000), memkit.plan.limits.LIMITS."""
 MAX_BYTES = 2**60
 """Any byte count in a plan (1 EiB: beyond any node)."""
 
@@ -67,8 +67,8 @@ class Field:
 
 
 def _limit(dest: str, kind: str = "int") -> Field:
-    """A plan field with the range of its command-line flag (one table: memkit.limits.LIMITS)."""
-    from memkit.limits import LIMITS
+    """A plan field with the range of its command-line flag (one table: memkit.plan.limits.LIMITS)."""
+    from memkit.plan.limits import LIMITS
 
     lo, hi, _ = LIMITS[dest]
     return Field(kind, lo, hi)
@@ -78,7 +78,7 @@ def _plan_fields() -> dict[str, Field]:
     """Every TrainingPlan field. Choices (precision, engine, ...) and cross-field rules are
     TrainingPlan.validate's; here: type and range. Required: the knobs every memkit plan.json has
     had; the others default to TrainingPlan's defaults (DeepSpeed's own)."""
-    from memkit.plan import TrainingPlan, knob_kind
+    from memkit.plan.plan import TrainingPlan, knob_kind
 
     kinds = {"str": "str", "int": "int", "float": "float", "bool": "bool", "tuple": "names"}
     out = {f.name: Field(kinds[knob_kind(f)], required=False) for f in fields(TrainingPlan)}
@@ -229,7 +229,7 @@ def _model_blocks(name: str) -> int | None:
 def check_cross_fields(doc: dict, *, where: str):
     """TrainingPlan.validate with what the document knows: the recorded hardware's GPU count
     (dp x tp x pp must equal it) and the model's blocks (checkpointing K <= blocks)."""
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     hw = doc.get("hardware")
     num_gpus = hw["num_gpus_per_node"] * hw["num_nodes"] if isinstance(hw, dict) and \
@@ -275,7 +275,7 @@ def check_legacy_document(doc: dict, *, where: str):
         raise MemkitError(f"{where}: 'hardware' is not an object; {FIX}")
     _check_block(hw, {k: Field(s.kind, s.lo, s.hi, required=False) for k, s in SECTIONS["hardware"].items()},
                  where=where, prefix="hardware.")
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
 
     try:
         return TrainingPlan.from_dict(doc["plan"]).validate()

@@ -11,12 +11,12 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_type_hints
 
 from memkit.errors import MemkitError
-from memkit.parallel import split_knob_error
-from memkit.backward_techniques import (ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG, activation_offload_error,
+from memkit.plan.parallel import split_knob_error
+from memkit.plan.backward_techniques import (ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG, activation_offload_error,
                                         optimizer_in_backward_error)
-from memkit.techniques import (CHECKPOINTING, LOSSES, checkpointing_error, checkpointing_type,  # noqa: F401
+from memkit.plan.techniques import (CHECKPOINTING, LOSSES, checkpointing_error, checkpointing_type,  # noqa: F401
                                loss_knob_error, partial_blocks_error)
-from memkit.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
+from memkit.plan.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
 Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
@@ -64,7 +64,7 @@ ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaM
 # ---- one declaration per knob ------------------------------------------------------------------
 # Each TrainingPlan field is declared once, with `knob(...)`: its default, its type (Literal[...]
 # for choices: the flags' choices and validate()'s choice check read it), its range (the flags'
-# range check, memkit.limits.LIMITS, and plan_schema read it) and, per command, its help text.
+# range check, memkit.plan.limits.LIMITS, and plan_schema read it) and, per command, its help text.
 # Commands (`cli` keys): "estimate" (a value, the plan default when not given), "pin" (suggest:
 # None = the planner chooses), "workload" (suggest: a value the planner does not search),
 # "run" (the runner's overrides of plan.json: None = not given), "launch" (the split harness).
@@ -120,20 +120,20 @@ class TrainingPlan:
         "launch": {"choices": ("none", "full")},
         "pin": "none, full, or K (the first K blocks); default: the planner picks the smallest K that fits"})
     """'full': HF activation_checkpointing_enable(), one checkpoint per block; 'K' (digits):
-    the first K blocks only (memkit/techniques.py says which and why)."""
+    the first K blocks only (memkit/plan/techniques.py says which and why)."""
     loss: Loss = knob("standard", cli={
         "estimate": "standard (full fp32 logits), chunked (memkit's chunked cross-entropy), fused (liger-kernel, "
                     "CUDA only)",
         "pin": "default: standard, or chunked when the logits keep a plan from fitting", "run": None})
     """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
-    liger-kernel's fused linear cross-entropy (CUDA only). memkit/techniques.py."""
+    liger-kernel's fused linear cross-entropy (CUDA only). memkit/plan/techniques.py."""
     offload_activations: ActivationOffload = knob("none", cli={
         "estimate": _OFFLOAD_ACT_HELP, "pin": _OFFLOAD_ACT_HELP, "run": _OFFLOAD_ACT_HELP})
-    """'cpu': every saved activation to host RAM in forward, back in backward (memkit/backward_techniques.py)."""
+    """'cpu': every saved activation to host RAM in forward, back in backward (memkit/plan/backward_techniques.py)."""
     optimizer_in_backward: bool = knob(False, flag=OPTIMIZER_IN_BACKWARD_FLAG, cli={
         "estimate": _OIB_HELP, "pin": _OIB_HELP, "run": _OIB_HELP})
     """Each parameter steps in its post-accumulate-grad hook; one gradient alive at a time
-    (memkit/backward_techniques.py states what it cannot run with)."""
+    (memkit/plan/backward_techniques.py states what it cannot run with)."""
     attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
                                              "run": None, "launch": {"choices": ("eager", "sdpa")}})
     micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),
@@ -205,7 +205,7 @@ class TrainingPlan:
                "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)",
         "run": "nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)"})
     """'nf4' / 'fp4': the frozen base's linear weights in 4 bits (bitsandbytes), LoRA on top
-    (QLoRA); compute dtype from the precision. memkit/quantize.py states the rules."""
+    (QLoRA); compute dtype from the precision. memkit/plan/quantize.py states the rules."""
     double_quant: bool = knob(True, flag="--no-double-quant", negated=True, cli={
         "estimate": _DQ_HELP, "pin": "with a 4-bit base: keep the block scales in fp32 (default: double quantisation)",
         "run": "with a 4-bit base: fp32 block scales"})
@@ -258,7 +258,7 @@ class TrainingPlan:
     def validate(self, *, num_gpus: int | None = None, num_blocks: int | None = None) -> "TrainingPlan":
         """Raise MemkitError for any knob out of range or contradictory; return self. With the
         hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
-        checkpointing K must be below it (memkit/techniques.py)."""
+        checkpointing K must be below it (memkit/plan/techniques.py)."""
         for f in fields(self):  # each knob's declared choices and lower bound (knob(...) above)
             _check_declared(f, getattr(self, f.name))
         for error in (checkpointing_error(self.checkpointing),
@@ -299,7 +299,7 @@ class TrainingPlan:
                       optimizer_in_backward_error(self)):
             if error:
                 raise MemkitError(error)
-        split_error = split_knob_error(self)  # memkit/parallel.py states the split rules
+        split_error = split_knob_error(self)  # memkit/plan/parallel.py states the split rules
         if split_error:
             raise MemkitError(split_error)
         if num_gpus is not None and self.num_gpus != num_gpus:
@@ -385,7 +385,7 @@ def _check_declared(f, value) -> None:
 
 
 def knob_ranges() -> dict[str, tuple]:
-    """field name -> (lowest, highest, what): the range each ranged knob declares (memkit.limits)."""
+    """field name -> (lowest, highest, what): the range each ranged knob declares (memkit.plan.limits)."""
     return {f.name: f.metadata["range"] for f in fields(TrainingPlan) if f.metadata.get("range")}
 
 

@@ -1,8 +1,8 @@
 """Every command-line number's sane range, in one table: memkit.validate applies it to the flags,
-memkit.plan_schema to the same fields of plan.json. Pure (no I/O, no train/cli imports)."""
+memkit.plan.plan_schema to the same fields of plan.json. Pure (no I/O, no train/cli imports)."""
 from __future__ import annotations
 
-from memkit.plan import MAX_MICRO_BATCH, MAX_SEQ_LEN, knob_ranges  # noqa: F401 (one bound for flag and search)
+from memkit.plan.plan import MAX_MICRO_BATCH, MAX_SEQ_LEN, knob_ranges  # noqa: F401 (one bound for flag and search)
 
 MAX_GLOBAL_BATCH = 2**20
 """Sequences per optimizer step: 2^20 is 16 x the largest published batch (LAMB's 65,536 sequences
@@ -13,7 +13,7 @@ MAX_SYNTHETIC_TOKENS = 2**28
 """synthetic:N materialises N x seq_len int64 ids, labels and mask (24 bytes/token): 6 GiB."""
 
 # flag dest -> (lowest, highest, what it is). Each limit stated once; `check_args` applies it to
-# whichever command has the flag. The plan knobs' ranges are declared with the knobs (memkit/plan.py).
+# whichever command has the flag. The plan knobs' ranges are declared with the knobs (memkit/plan/plan.py).
 LIMITS: dict[str, tuple[float, float, str]] = {
     **knob_ranges(),
     "max_micro_batch": (1, MAX_MICRO_BATCH, "sequences per GPU per step"),

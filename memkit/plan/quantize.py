@@ -1,4 +1,4 @@
-"""QLoRA rules (torch-free, like memkit/techniques.py): a frozen base whose linear weights are
+"""QLoRA rules (torch-free, like memkit/plan/techniques.py): a frozen base whose linear weights are
 stored in 4 bits, LoRA adapters trained on top (Dettmers et al. 2023, "QLoRA: Efficient
 Finetuning of Quantized LLMs", Sec. 3), shared by the estimator, planner, emitters and runner.
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from memkit.errors import MemkitError
 
 if TYPE_CHECKING:  # no runtime import: memkit.plan imports this module
-    from memkit.plan import TrainingPlan
+    from memkit.plan.plan import TrainingPlan
     from memkit.spec.hardware import Hardware
     from memkit.spec.model import ModelSpec
 

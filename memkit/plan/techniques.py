@@ -1,5 +1,5 @@
 """Rules of the memory-saving techniques a plan can ask for, shared by the estimator, the planner,
-the emitters and the runner (torch-free, like memkit/parallel.py): which blocks a partial
+the emitters and the runner (torch-free, like memkit/plan/parallel.py): which blocks a partial
 checkpoint covers, how many tokens one loss chunk holds, and what each technique cannot run with.
 
 - Partial ("sublinear") activation checkpointing: `--checkpointing K` checkpoints K of the L

@@ -1,4 +1,4 @@
-"""Rules of the two backward-time techniques (torch-free, like memkit/techniques.py), shared by
+"""Rules of the two backward-time techniques (torch-free, like memkit/plan/techniques.py), shared by
 the estimator, the planner, the emitters and the runner.
 
 - Activation offload (`--offload-activations cpu`): every tensor the forward saves for backward
