@@ -73,8 +73,8 @@ ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaM
 # from the same fields.
 
 COMMANDS = ("estimate", "pin", "workload", "run", "launch")
-"""launch: launch/parallel_train.py, the split-training harness (None = not given; its own subsets
-of the choices). A `cli` value is the help text (None: none) or a dict with "help" and, where the
+"""launch: launch/parallel_train.py (memkit/calibrate/parallel_step.py), the split-training harness
+(None = not given; its own subsets of the choices). A `cli` value is the help text (None: none) or a dict with "help" and, where the
 command differs, "choices" (None: a plain typed value) and "flag"."""
 
 

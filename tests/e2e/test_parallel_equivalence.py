@@ -37,7 +37,7 @@ MEMORY_RTOL = 0.05
 """Per-rank |predicted - measured| / measured. Measured: ref -0.1%; tp2 -0.2%; pp2 1F1B +1.5% / -0.2%;
 pp2 GPipe +0.1% / -0.4%; tp2 x pp2 +1.4% (stage 0) / -0.3% (stage 1), with torch.distributed.pipelining's
 buffers priced (memkit/estimate/pipeline.py). The driver waits for gloo to free the TP LM head's gather
-temporaries (launch/parallel_train.py, _settle_head_gather): before it, a tp rank read up to -3.8% (tp2)
+temporaries (memkit/calibrate/parallel_step.py, _settle_head_gather): before it, a tp rank read up to -3.8% (tp2)
 or -6.5% (tp2 x pp2 stage 1) on some runs, depending on thread scheduling."""
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
