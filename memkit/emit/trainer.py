@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
-from memkit.plan.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan
+from memkit.plan.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan, trainer_knobs
 
 HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
             "adafactor": "adafactor", "sgd": "sgd"}
@@ -62,11 +62,11 @@ class TrainerRecipe:
 
 def trainer_arguments(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> dict:
     """The transformers TrainingArguments that agree with `deepspeed_config(plan)` and carry the
-    model settings it cannot (checkpointing, optimizer when DeepSpeed does not build it)."""
+    model settings it cannot (checkpointing, optimizer when DeepSpeed does not build it). The
+    knobs Trainer takes as they are (batch, accumulation, clipping) are those memkit/plan/plan.py
+    declares with `trainer=`; the rest are derived here."""
     args = {
-        "per_device_train_batch_size": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "max_grad_norm": plan.gradient_clipping,
+        **trainer_knobs(plan),
         "learning_rate": lr,
         "weight_decay": weight_decay,
         "adam_beta1": ADAM_BETAS[0],

@@ -13,9 +13,9 @@ from typing import Literal, get_args, get_type_hints
 from memkit.errors import MemkitError
 from memkit.plan.parallel import split_knob_error
 from memkit.plan.backward_techniques import (ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG, activation_offload_error,
-                                        optimizer_in_backward_error)
+                                             optimizer_in_backward_error)
 from memkit.plan.techniques import (CHECKPOINTING, LOSSES, checkpointing_error, checkpointing_type,  # noqa: F401
-                               loss_knob_error, partial_blocks_error)
+                                    loss_knob_error, partial_blocks_error)
 from memkit.plan.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
 Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
@@ -75,18 +75,21 @@ ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaM
 COMMANDS = ("estimate", "pin", "workload", "run", "launch")
 """launch: launch/parallel_train.py (memkit/calibrate/parallel_step.py), the split-training harness
 (None = not given; its own subsets of the choices). A `cli` value is the help text (None: none) or a dict with "help" and, where the
-command differs, "choices" (None: a plain typed value) and "flag"."""
+command differs, "choices" (None: a plain typed value) and "flag"; a "pin" spec may say
+"lists_after" (pin_flags' order)."""
 
 
 def knob(default, *, cli: dict | None = None, range: tuple | None = None, flag: str | None = None,  # noqa: A002
-         parse=None, negated: bool = False, choice_error: str | None = None, estimate_default=MISSING):
+         parse=None, negated: bool = False, choice_error: str | None = None, estimate_default=MISSING,
+         trainer: str | None = None):
     """A TrainingPlan field with its flag metadata. cli: command -> help text (None: no help);
     range: (lowest, highest, what it is); flag: the option name (default --name-with-dashes);
     parse: argparse type; negated: a True-default bool whose flag turns it off (--no-...);
     choice_error: the message for a value outside the Literal's choices ({value});
-    estimate_default: `estimate`'s default when it is not the plan's (None: chosen later)."""
+    estimate_default: `estimate`'s default when it is not the plan's (None: chosen later);
+    trainer: the transformers TrainingArguments field that takes the value as it is (trainer_knobs)."""
     meta = {"cli": dict(cli or {}), "range": range, "flag": flag, "parse": parse, "negated": negated,
-            "choice_error": choice_error, "estimate_default": estimate_default}
+            "choice_error": choice_error, "estimate_default": estimate_default, "trainer": trainer}
     return field(default=default, metadata=meta)
 
 
@@ -137,9 +140,10 @@ class TrainingPlan:
     attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
                                              "run": None, "launch": {"choices": ("eager", "sdpa")}})
     micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),
-                                 cli={"estimate": None, "run": None, "launch": None})
+                                 cli={"estimate": None, "run": None, "launch": None},
+                                 trainer="per_device_train_batch_size")
     grad_accum: int = knob(1, range=(1, 2**20, "micro-batches per optimizer step"),
-                           cli={"estimate": None, "run": None, "launch": None})
+                           cli={"estimate": None, "run": None, "launch": None}, trainer="gradient_accumulation_steps")
     seq_len: int = knob(DEFAULT_SEQ_LEN, range=(1, MAX_SEQ_LEN, "tokens per sequence"), cli={
         "estimate": None, "workload": f"tokens per sequence (default {DEFAULT_SEQ_LEN})", "run": None, "launch": None})
     task: Task = knob("causal-lm", cli={
@@ -201,8 +205,9 @@ class TrainingPlan:
     quantize_base: QuantizeBase = knob("none", cli={
         "estimate": "none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; needs "
                     "--lora-rank; memkit/quantize.py)",
-        "pin": "with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit base "
-               "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)",
+        "pin": {"lists_after": "loss",
+                "help": "with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit base "
+                        "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)"},
         "run": "nf4/fp4: load the base in 4 bits (bitsandbytes) under the LoRA adapters (QLoRA)"})
     """'nf4' / 'fp4': the frozen base's linear weights in 4 bits (bitsandbytes), LoRA on top
     (QLoRA); compute dtype from the precision. memkit/plan/quantize.py states the rules."""
@@ -227,7 +232,7 @@ class TrainingPlan:
     stage3_max_reuse_distance: int = knob(1_000_000_000)
     stage3_param_persistence_threshold: int = knob(100_000)
     gradient_clipping: float = knob(1.0, range=(0.0, 1e6, "max gradient norm (0 = off)"),
-                                    cli={"run": "max global grad norm (0 = off)", "launch": None})
+                                    cli={"run": "max global grad norm (0 = off)", "launch": None}, trainer="max_grad_norm")
 
     # ---- derived ----
     @property
@@ -389,9 +394,28 @@ def knob_ranges() -> dict[str, tuple]:
     return {f.name: f.metadata["range"] for f in fields(TrainingPlan) if f.metadata.get("range")}
 
 
+def trainer_knobs(plan: "TrainingPlan") -> dict:
+    """TrainingArguments field -> value of every knob that declares one (`trainer=`), in declaration
+    order: the knobs Trainer takes as they are (emit/trainer.py derives the others)."""
+    return {f.metadata["trainer"]: getattr(plan, f.name) for f in fields(plan) if f.metadata.get("trainer")}
+
+
 def knob_fields(command: str) -> list:
     """The TrainingPlan fields `command` (COMMANDS) takes as flags, in declaration order."""
     return [f for f in fields(TrainingPlan) if command in f.metadata.get("cli", {})]
+
+
+def pin_flags() -> dict[str, str]:
+    """Plan field -> the suggest flag that pins it (`--zero 2` fixes zero_stage), for every "pin"
+    knob that takes a value (a flag-only bool pin, --optimizer-in-backward, is its flag alone), in
+    declaration order except where a "pin" spec says "lists_after": the order suggest's pins are
+    listed, checked and shown (planner/space.py pins, cli/explain.py pin_words)."""
+    names = [f for f in knob_fields("pin") if f.type != "bool"]
+    order = [f for f in names if "lists_after" not in _cli_spec(f, "pin")]
+    for f in names:
+        if (after := _cli_spec(f, "pin").get("lists_after")) is not None:
+            order.insert(next(i for i, g in enumerate(order) if g.name == after) + 1, f)
+    return {f.name: _cli_spec(f, "pin").get("flag") or flag_name(f) for f in order}
 
 
 def add_knob_flags(group, command: str) -> None:

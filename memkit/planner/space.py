@@ -16,8 +16,9 @@ from dataclasses import dataclass, make_dataclass
 from memkit.errors import MemkitError
 from memkit.planner import backward
 from memkit.plan.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
-                             tp_spans_nodes, validate_parallel)
-from memkit.plan.plan import MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, request_knob_fields
+                                  tp_spans_nodes, validate_parallel)
+from memkit.plan.plan import (MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, pin_flags,
+                              request_knob_fields)
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
 
@@ -386,11 +387,9 @@ def structures(request: Request, tier: Tier, layout: tuple[int, int, int]) -> li
     return out
 
 
-PIN_FLAGS = {"precision": "--precision", "optimizer": "--optimizer", "zero_stage": "--zero",
-             "offload_optimizer": "--offload-optimizer", "offload_params": "--offload-params",
-             "checkpointing": "--checkpointing", "loss": "--loss", "quantize_base": "--quantize-base",
-             "offload_activations": "--offload-activations", "tp": "--tp", "pp": "--pp"}
-"""Request field -> the suggest flag that pins the plan field of the same name."""
+PIN_FLAGS = pin_flags()
+"""Request field -> the suggest flag that pins the plan field of the same name (memkit/plan/plan.py
+declares the pins and their order)."""
 
 
 def pins(request: Request) -> list[tuple[str, str, object]]:

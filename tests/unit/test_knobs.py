@@ -13,7 +13,7 @@ import pytest
 from memkit.cli.main import main
 from memkit.errors import MemkitError
 from memkit.plan.plan import (BF16_PURE_ZERO_ERROR, TrainingPlan, add_knob_flags, flag_name, knob_choices, knob_fields,
-                         knob_values)
+                              knob_values)
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -156,3 +156,30 @@ def test_default_alpha_and_dropout_leave_the_request_as_before(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert "lora_alpha" not in doc["request"] and "lora_dropout" not in doc["request"]
     assert (doc["plan"]["lora_alpha"], doc["plan"]["lora_dropout"]) == (16, 0.05)
+
+
+def test_suggest_pins_are_the_declared_valued_pin_knobs_in_their_listed_order():
+    """PIN_FLAGS (planner/space.py) comes from the declarations: every "pin" knob that takes a value,
+    by its flag, in declaration order but --quantize-base right after --loss (its "lists_after"),
+    the order plan.json's pins were always shown in (cli/explain.py pin_words)."""
+    from memkit.plan.plan import pin_flags
+    from memkit.planner.space import PIN_FLAGS
+
+    valued = [f.name for f in knob_fields("pin") if f.type != "bool"]
+    assert sorted(PIN_FLAGS) == sorted(valued) and PIN_FLAGS == pin_flags()
+    assert list(PIN_FLAGS.items()) == [
+        ("precision", "--precision"), ("optimizer", "--optimizer"), ("zero_stage", "--zero"),
+        ("offload_optimizer", "--offload-optimizer"), ("offload_params", "--offload-params"),
+        ("checkpointing", "--checkpointing"), ("loss", "--loss"), ("quantize_base", "--quantize-base"),
+        ("offload_activations", "--offload-activations"), ("tp", "--tp"), ("pp", "--pp")]
+
+
+def test_trainer_arguments_take_the_declared_knobs_as_they_are():
+    """The knobs declared with trainer= lead TrainingArguments, in declaration order, with the plan's values."""
+    from memkit.emit.trainer import trainer_arguments
+    from memkit.plan.plan import trainer_knobs
+
+    plan = TrainingPlan(micro_batch_size=3, grad_accum=5, gradient_clipping=0.25)
+    assert trainer_knobs(plan) == {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 5,
+                                   "max_grad_norm": 0.25}
+    assert list(trainer_arguments(plan).items())[:3] == list(trainer_knobs(plan).items())
