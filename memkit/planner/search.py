@@ -385,13 +385,34 @@ def _prefer_low_risk(request: Request, found: list[Candidate]) -> tuple[list[Can
     close = [c for c in found if c.speed.step_time_s <= fastest.speed.step_time_s * (1 + u)]
     pick = min(close, key=lambda c: (_risk(request, c), c.speed.step_time_s))
     if pick is fastest or _risk(request, pick) == _risk(request, fastest):
-        return found, ""
-    words = [w for w, a, b in zip(("no offload", "no model split", "more memory headroom"),
-                                  _risk(request, pick), _risk(request, fastest)) if a < b]
+        runner = next((c for c in close if c is not fastest and c.label != fastest.label), None)
+        return found, (tie_note(fastest, runner, u, _risk_words(request, fastest, runner)) if runner else "")
     note = (f"chose {pick.label} ({pick.speed.step_time_s:.2f} s/step) over the predicted-fastest "
             f"{fastest.label} ({fastest.speed.step_time_s:.2f} s/step): within the step-time model's "
-            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(words)})")
+            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(_risk_words(request, pick, fastest))})")
     return [pick] + [c for c in found if c is not pick], note
+
+
+def _risk_words(request: Request, a: Candidate, b: Candidate) -> list[str]:
+    """What a carries less of than b, in _risk's order."""
+    return [w for w, x, y in zip(("no offload", "no model split", "more memory headroom"),
+                                 _risk(request, a), _risk(request, b)) if x < y]
+
+
+def step_time_margin(chosen_s: float, other_s: float) -> float:
+    """How much slower the other plan is predicted to be, as a share of the chosen plan's step time."""
+    return other_s / chosen_s - 1.0
+
+
+def tie_note(kept: Candidate, runner: Candidate, u: float, lower_risk: list[str]) -> str:
+    """Item 5 of issue 21: a pick whose runner-up is predicted within the step-time model's measured
+    uncertainty is a tie, not a ranking; say so, and on what the kept plan won."""
+    margin = step_time_margin(kept.speed.step_time_s, runner.speed.step_time_s)
+    why = (f"kept it for lower risk ({', '.join(lower_risk)})" if lower_risk
+           else "equal risk, so the predicted-faster plan is kept; either is a sound choice")
+    return (f"tie: {kept.label} ({kept.speed.step_time_s:.2f} s/step) and {runner.label} "
+            f"({runner.speed.step_time_s:.2f} s/step) differ by {margin:.1%}, within the step-time model's "
+            f"+-{u:.1%} measured uncertainty; {why}")
 
 
 def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):
