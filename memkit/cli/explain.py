@@ -203,12 +203,7 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
             [[r["label"], r["reason"], f"{seqs * plan['seq_len'] / r['step_time_s_if_it_fit']:,.0f}"]
              for r in doc["rejected"]], right={2})))
     if doc.get("alternatives"):
-        lines += ["", "Alternatives that fit:"]
-        lines.append(_indent(format_table(
-            ["#", "plan", "peak GiB", "tokens/s", "s/step", "MFU"],
-            [[i, a["label"], f"{a['nvidia_smi_peak_bytes'] / GIB:.1f}", f"{a['tokens_per_s']:,.0f}",
-              f"{a['step_time_s']:.2f}", f"{a['mfu']:.0%}"] for i, a in enumerate(doc["alternatives"], 1)],
-            right={0, 2, 3, 4, 5})))
+        lines += alternatives_table(doc["alternatives"], speed["step_time_s"])
     notes = list(doc.get("notes", [])) + list(est.get("notes", []))
     if notes:
         lines += [""] + [f"note: {n}" for n in notes]
@@ -219,6 +214,27 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
                   "--data synthetic --max-steps 20; the raw accelerate line is in README.md):",
                   "  " + train_command(doc, out_dir=out_dir.rstrip("/"))]
     return "\n".join(lines)
+
+
+def alternatives_table(alternatives: list[dict], chosen_step_s: float) -> list[str]:
+    """The fitting alternatives with each one's predicted margin over the chosen plan's step time;
+    'tied' where that margin is within the step-time model's measured uncertainty
+    (estimate.throughput.step_time_uncertainty), where the ranking is not a decision (issue 21, item 5)."""
+    from memkit.estimate.throughput import step_time_uncertainty
+    from memkit.planner.search import step_time_margin
+
+    u = step_time_uncertainty()
+    rows = []
+    for i, a in enumerate(alternatives, 1):
+        margin = step_time_margin(chosen_step_s, a["step_time_s"])
+        rows.append([i, a["label"], f"{a['nvidia_smi_peak_bytes'] / GIB:.1f}", f"{a['tokens_per_s']:,.0f}",
+                     f"{a['step_time_s']:.2f}", f"{a['mfu']:.0%}",
+                     f"{margin:+.1%}", "tied" if abs(margin) <= u else ""])
+    return ["", "Alternatives that fit:",
+            _indent(format_table(["#", "plan", "peak GiB", "tokens/s", "s/step", "MFU", "vs chosen", ""], rows,
+                                 right={0, 2, 3, 4, 5, 6})),
+            f"  vs chosen: predicted step time over the chosen plan's; tied: within the step-time model's "
+            f"+-{u:.1%} measured uncertainty, so the two are not ranked by speed"]
 
 
 def _indent(text: str) -> str:

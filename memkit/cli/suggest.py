@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     stack, estimator = _stack_estimator(args.stack)
     start = time.perf_counter()
     try:
-        result = search(request, estimator=estimator, num_alternatives=args.num_alternatives)
+        result = search(request, estimator=estimator, num_alternatives=args.num_alternatives, stack=stack)
     except NoPlanFits as exc:
         return _report_no_fit(args, request, exc)
     elapsed = time.perf_counter() - start

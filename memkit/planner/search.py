@@ -43,6 +43,7 @@ from memkit.planner import backward
 from memkit.plan.plan import TrainingPlan
 from memkit.planner.space import (QUANTIZED_TIER, Request, Tier, describe, layouts, micro_batch_options, pins,
                                   structures, tiers, unasked, with_micro)
+from memkit.spec.stack import Stack
 from memkit.units import GIB
 
 
@@ -126,9 +127,12 @@ def device_peak_bytes(est: MemoryEstimate) -> int:
 class _Evaluator:
     """Memoised memory estimates and the feasibility verdict for one request."""
 
-    def __init__(self, request: Request, estimator, *, fit_upper: bool = True, memo: "_Memo | None" = None):
+    def __init__(self, request: Request, estimator, *, fit_upper: bool = True, memo: "_Memo | None" = None,
+                 stack: "Stack | None" = None):
         self.request = request
         self.estimator = estimator
+        self.stack = stack
+        """The software versions step time is priced for (--stack; None: the installed behaviours)."""
         self.fit_upper = fit_upper
         self.budget = request.budget_bytes
         self.memo = memo or _Memo()
@@ -189,7 +193,8 @@ class _Evaluator:
         micro-batch choice, the partial-checkpointing loop), and the model is a pure function."""
         hit = self.memo.speeds.get(plan)
         if hit is None:
-            hit = self.memo.speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware)
+            hit = self.memo.speeds[plan] = estimate_step_time(self.request.model, plan, self.request.hardware,
+                                                                   stack=self.stack)
         return hit
 
 
@@ -238,18 +243,19 @@ UPPER_BOUND_FALLBACK_NOTE = (f"no plan keeps its {QUANTILE_LABEL} upper bound in
 
 
 def search(request: Request, *, estimator=None, num_alternatives: int = 4,
-           num_rejections: int = 6) -> SearchResult:
+           num_rejections: int = 6, stack: "Stack | None" = None) -> SearchResult:
     """The best plan for `request`; NoPlanFits when none fits, MemkitError for bad input. A plan
     fits when its prediction is inside the budget and its upper bound (estimate/bounds.py) inside the device; when
-    no plan does both, the best one inside the budget is chosen and the result says so."""
+    no plan does both, the best one inside the budget is chosen and the result says so. `stack`:
+    the versions step time is priced for (estimate_step_time's stack), as `estimator` prices memory."""
     memo = _Memo()
     try:
         return _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                       num_rejections=num_rejections, fit_upper=True, memo=memo)
+                       num_rejections=num_rejections, fit_upper=True, memo=memo, stack=stack)
     except _NothingFits as strict:
         try:
             result = _search(request, estimator=estimator, num_alternatives=num_alternatives,
-                             num_rejections=num_rejections, fit_upper=False, memo=memo)
+                             num_rejections=num_rejections, fit_upper=False, memo=memo, stack=stack)
         except _NothingFits:
             raise strict.answer() from None
         return replace(result, notes=result.notes + (UPPER_BOUND_FALLBACK_NOTE,))
@@ -265,7 +271,7 @@ class _NothingFits(Exception):
 
 
 def _search(request: Request, *, estimator, num_alternatives: int, num_rejections: int,
-            fit_upper: bool, memo: "_Memo") -> SearchResult:
+            fit_upper: bool, memo: "_Memo", stack: "Stack | None" = None) -> SearchResult:
     if estimator is None:
         from memkit.estimate.memory import estimate_memory as estimator
     request.validate()
@@ -275,7 +281,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
     if request.global_batch_size % num_gpus and all(dp < num_gpus for _, _, dp in lays):
         notes.append(f"global batch {request.global_batch_size} is not divisible by {num_gpus} GPUs; only "
                      f"layouts with data-parallel degree {sorted({dp for _, _, dp in lays})} are possible")
-    ev = _Evaluator(request, estimator, fit_upper=fit_upper, memo=memo)
+    ev = _Evaluator(request, estimator, fit_upper=fit_upper, memo=memo, stack=stack)
     all_rejected: list[Rejection] = []
     num_structures = 0
     tier_list = tiers(request)
@@ -385,13 +391,34 @@ def _prefer_low_risk(request: Request, found: list[Candidate]) -> tuple[list[Can
     close = [c for c in found if c.speed.step_time_s <= fastest.speed.step_time_s * (1 + u)]
     pick = min(close, key=lambda c: (_risk(request, c), c.speed.step_time_s))
     if pick is fastest or _risk(request, pick) == _risk(request, fastest):
-        return found, ""
-    words = [w for w, a, b in zip(("no offload", "no model split", "more memory headroom"),
-                                  _risk(request, pick), _risk(request, fastest)) if a < b]
+        runner = next((c for c in close if c is not fastest and c.label != fastest.label), None)
+        return found, (tie_note(fastest, runner, u, _risk_words(request, fastest, runner)) if runner else "")
     note = (f"chose {pick.label} ({pick.speed.step_time_s:.2f} s/step) over the predicted-fastest "
             f"{fastest.label} ({fastest.speed.step_time_s:.2f} s/step): within the step-time model's "
-            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(words)})")
+            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(_risk_words(request, pick, fastest))})")
     return [pick] + [c for c in found if c is not pick], note
+
+
+def _risk_words(request: Request, a: Candidate, b: Candidate) -> list[str]:
+    """What a carries less of than b, in _risk's order."""
+    return [w for w, x, y in zip(("no offload", "no model split", "more memory headroom"),
+                                 _risk(request, a), _risk(request, b)) if x < y]
+
+
+def step_time_margin(chosen_s: float, other_s: float) -> float:
+    """How much slower the other plan is predicted to be, as a share of the chosen plan's step time."""
+    return other_s / chosen_s - 1.0
+
+
+def tie_note(kept: Candidate, runner: Candidate, u: float, lower_risk: list[str]) -> str:
+    """Item 5 of issue 21: a pick whose runner-up is predicted within the step-time model's measured
+    uncertainty is a tie, not a ranking; say so, and on what the kept plan won."""
+    margin = step_time_margin(kept.speed.step_time_s, runner.speed.step_time_s)
+    why = (f"kept it for lower risk ({', '.join(lower_risk)})" if lower_risk
+           else "equal risk, so the predicted-faster plan is kept; either is a sound choice")
+    return (f"tie: {kept.label} ({kept.speed.step_time_s:.2f} s/step) and {runner.label} "
+            f"({runner.speed.step_time_s:.2f} s/step) differ by {margin:.1%}, within the step-time model's "
+            f"+-{u:.1%} measured uncertainty; {why}")
 
 
 def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):

@@ -151,7 +151,8 @@ def test_pins_are_respected(pins, check):
 def test_adamw_mixed_precision_first_lean_tier_only_when_nothing_else_fits():
     roomy = search(request("llama-3.2-1b", hw("a100-80gb", 1), 16, 2048))
     assert roomy.chosen.plan.optimizer == "adamw" and roomy.chosen.plan.precision in ("bf16", "fp32")
-    assert roomy.chosen.tier == "reference" and not roomy.notes
+    # no fallback note (a tie note between two reference-tier plans is not one: issue 21 item 5)
+    assert roomy.chosen.tier == "reference" and not [n for n in roomy.notes if not n.startswith("tie: ")]
     # 8B on one 80 GB card with a small host: 16 B/param of AdamW states fit neither GPU nor host.
     tight = search(request("llama-3.1-8b", hw("a100-80gb", 1, host_ram_bytes_per_node=64 * GIB), 8, 1024))
     assert tight.chosen.tier == "memory-lean"

@@ -135,3 +135,27 @@ def test_explain_check_reprices_the_stack_the_plan_was_priced_for(tmp_path, caps
     (tmp_path / "bad.json").write_text(json.dumps({**doc, "stack": {"torch": 2}}))
     assert main(["explain", str(tmp_path / "bad.json"), "--check"]) == 2
     assert "plan.json 'stack'" in capsys.readouterr().err
+
+
+def test_suggest_prices_step_time_for_the_stack_it_is_given(capsys):
+    # issue 21 item 4: --stack reaches the step-time model, not only memory. DeepSpeed < 0.9.4
+    # builds ZeRO-3's fetch/release debug strings with logging off (throughput.py
+    # ZERO3_DEBUG_CALLS_PER_PARAM, deepspeedai/DeepSpeed#3622), so a ZeRO-3 plan priced for 0.9.0
+    # carries that host overhead and plan.json's step time is estimate_step_time's for that stack.
+    from memkit.estimate.throughput import estimate_step_time
+    from memkit.spec.hardware import Hardware, find_gpu
+    from memkit.spec.hf import load_model_spec
+    from memkit.spec.stack import parse_stack
+    argv = ["suggest", "--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--num-gpus", "8",
+            "--global-batch-size", "64", "--seq-len", "2048", "--zero", "3", "--json"]
+    code, out, _ = run_cli(argv + ["--stack", "deepspeed=0.9.0"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    plan = TrainingPlan.from_dict(doc["plan"])
+    assert plan.engine == "deepspeed" and plan.zero_stage == 3
+    hw = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=8)
+    model = load_model_spec("llama-3.1-8b")
+    old = estimate_step_time(model, plan, hw, stack=parse_stack("deepspeed=0.9.0"))
+    installed = estimate_step_time(model, plan, hw)
+    assert doc["step_time"]["step_time_s"] == pytest.approx(old.step_time_s, rel=1e-9)
+    assert old.components_s["host_overhead"] > installed.components_s["host_overhead"]

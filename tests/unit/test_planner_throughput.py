@@ -283,3 +283,46 @@ def test_stated_uncertainty_is_what_the_benchmark_measures():
     # regenerate with: python benchmarks/throughput_accuracy.py --write-uncertainty
     # (to within one percentage point, so unrelated estimator changes do not break it at once)
     assert tp_model.step_time_uncertainty() == pytest.approx(table["ALL"]["p75_abs_pct"] / 100, abs=0.01)
+
+
+def test_a_runner_up_within_the_uncertainty_is_reported_as_a_tie():
+    # issue 21 item 5: same risk (two data-parallel plans, no offload), the runner-up 0.5 u slower:
+    # the order stays, and the note names both plans and the margin 0.5 u; at 1.5 u there is no tie.
+    from memkit.planner.search import _prefer_low_risk
+    from memkit.planner.space import Request
+    u = tp_model.step_time_uncertainty()
+    req = Request(model=LLAMA8B, hardware=A100x8, seq_len=2048, global_batch_size=64)
+    z3 = TrainingPlan(zero_stage=3, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
+    z2 = TrainingPlan(zero_stage=2, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
+    kept, runner = _candidate(z3, 2.0), _candidate(z2, 2.0 * (1 + 0.5 * u))
+    order, note = _prefer_low_risk(req, [kept, runner])
+    assert order[0] is kept
+    assert note.startswith(f"tie: {kept.label} (2.00 s/step) and {runner.label}")
+    assert f"differ by {0.5 * u:.1%}" in note and f"+-{u:.1%}" in note and "equal risk" in note
+    order, note = _prefer_low_risk(req, [kept, _candidate(z2, 2.0 * (1 + 1.5 * u))])
+    assert order[0] is kept and note == ""
+
+
+def test_a_tie_kept_for_lower_risk_says_what_it_avoids():
+    # the predicted-fastest is also the lower-risk one (no offload vs optimizer offload): kept, and said why
+    from memkit.planner.search import _prefer_low_risk
+    from memkit.planner.space import Request
+    u = tp_model.step_time_uncertainty()
+    req = Request(model=LLAMA8B, hardware=A100x8, seq_len=2048, global_batch_size=64)
+    plain = TrainingPlan(zero_stage=3, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
+    kept = _candidate(plain, 2.0)
+    order, note = _prefer_low_risk(req, [kept, _candidate(plain.with_(offload_optimizer="cpu"), 2.0 * (1 + 0.25 * u))])
+    assert order[0] is kept and "kept it for lower risk (no offload)" in note
+
+
+def test_explain_shows_each_alternatives_margin_and_marks_ties():
+    # hand-worked: chosen 10.00 s/step; 10.50 s is +5.0 % (tied under the ~7.6 % p75 uncertainty),
+    # 12.00 s is +20.0 % (not tied); the tie mark follows the uncertainty the benchmark wrote.
+    from memkit.cli.explain import alternatives_table
+    u = tp_model.step_time_uncertainty()
+    alt = {"label": "A", "nvidia_smi_peak_bytes": 2**30, "tokens_per_s": 1000.0, "mfu": 0.4}
+    lines = alternatives_table([dict(alt, step_time_s=10.5), dict(alt, label="B", step_time_s=12.0)], 10.0)
+    rows = [line.split() for line in "\n".join(lines).splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert rows[0][6:] == ["+5.0%"] + (["tied"] if 0.05 <= u else [])
+    assert rows[1][6:] == ["+20.0%"] + (["tied"] if 0.20 <= u else [])
+    assert f"+-{u:.1%} measured uncertainty" in lines[-1]
