@@ -80,3 +80,19 @@ def test_trainer_recipe_records_the_loss_path():
     assert recipe.loss_path == "ce-16bit"
     assert recipe.model_code == ("# loss priced as --loss-path ce-16bit: your compute_loss_func runs "
                                  "F.cross_entropy on the 16-bit logits (no .float())",)
+
+
+def test_a_stated_upcast_or_chunked_output_loss_maps_to_its_loss_path():
+    # the stack facts each held-out source states (framework, extras), mapped through --loss / --loss-path
+    from memkit.calibrate.published_memory import cases_for_record
+
+    repo = Path(__file__).resolve().parents[2]
+    records = [json.loads(line) for line in (repo / "benchmarks" / "data" / "holdout_memory.jsonl").read_text()
+               .splitlines() if line.strip()]
+    paths = {}
+    for record in records:
+        for case in cases_for_record(record, configs_dir=repo / "benchmarks" / "calibration_configs"):
+            paths[case.case_id.split("-")[0]] = paths.get(case.case_id.split("-")[0], set()) | {
+                (case.plan.loss, case.plan.loss_path)}
+    assert paths == {"peftmc": {("standard", "hf")}, "tt24": {("standard", "upcast")},
+                     "tt24b": {("standard", "hf")}}
