@@ -259,6 +259,14 @@ class Loss(Technique):
                             and plan.loss == "standard" and plan.loss_path == "hf") else 0)
         t.loss_work = bool(c.last and plan.loss == "standard" and t.head.backward_peak_bytes)
 
+    def note(self, c, t):
+        plan = c.plan
+        if plan.loss_path == "hf" or plan.loss != "standard" or not c.last:
+            return None
+        what = {"ce-16bit": "your cross-entropy on the 16-bit logits",
+                "upcast": "your fp32 upcast of the logits, held until backward ends"}[plan.loss_path]
+        return f"loss path {plan.loss_path}: {what} (estimate/activations.py loss_path_bytes)"
+
 
 class ActivationOffload(Technique):
     """--offload-activations cpu (estimate/backward_techniques.py): saved activations live on the

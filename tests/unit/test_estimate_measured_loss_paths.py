@@ -96,3 +96,12 @@ def test_a_stated_upcast_or_chunked_output_loss_maps_to_its_loss_path():
                 (case.plan.loss, case.plan.loss_path)}
     assert paths == {"peftmc": {("standard", "hf")}, "tt24": {("standard", "upcast")},
                      "tt24b": {("standard", "hf")}}
+
+
+def test_a_stated_loss_path_is_said_in_one_note():
+    row = next(r for r in ROWS if r["plan"].get("loss_path") == "upcast")
+    notes = [n for n in _estimate(row).notes if n.startswith("loss path")]
+    assert notes == ["loss path upcast: your fp32 upcast of the logits, held until backward ends "
+                     "(estimate/activations.py loss_path_bytes)"]
+    hf = next(r for r in ROWS if "loss_path" not in r["plan"])
+    assert not [n for n in _estimate(hf).notes if n.startswith("loss path")]
