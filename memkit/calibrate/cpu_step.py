@@ -152,6 +152,7 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
     import torch
 
     from memkit.measure.live_tensors import LiveTensorTracker
+    from memkit.train.loss_paths import user_loss
 
     plan.validate()
     if plan.precision == "fp16":
@@ -197,12 +198,13 @@ def measure_training(model_config, plan: TrainingPlan, *, num_steps: int = 2, se
                     # --offload-activations: saved tensors to a store the tracker does not see, as a
                     # GPU's counters would not see pinned host copies (train/backward_techniques.py).
                     with autocast(), _offload_context(model, plan) as offload:
-                        loss = model(**batch).loss / plan.grad_accum
+                        loss, held = user_loss(model, batch, plan.loss_path)  # memkit/train/loss_paths.py
+                        loss = loss / plan.grad_accum
                     if offload is not None:
                         moved_bytes = offload.moved_bytes
                 with tracker.phase(f"backward#{step}"):
                     loss.backward()
-                del loss, batch
+                del loss, batch, held
                 tracker.tag([p.grad for p in trainable if p.grad is not None], "grad")
             boundary["after_backward"] = _components(tracker, model, optimizer)
             with tracker.phase(f"optimizer_step#{step}"):

@@ -541,12 +541,19 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         approx.append("float8 linears (fp8 copies of inputs/weights saved for backward)")
     if any("lm_head computed in 128-token chunks" in e for e in extras):
         approx.append("litgpt chunked lm_head + chunked CE: logits stay bf16, no fp32 upcast")
-    loss = "standard"
+    loss, loss_path = "standard", "hf"
     if any("chunked output + cross-entropy" in e for e in extras):
-        # torchtune CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py): the
-        # output projection runs in 8 chunks, each upcast to fp32 for the CE: priced as memkit's chunked loss.
-        loss = "chunked"
-        approx.append("torchtune chunked output + CE (8 chunks, fp32 per chunk) priced as memkit's chunked loss")
+        # torchtune CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py): every chunk's
+        # 16-bit logits exist at once (TransformerDecoder.forward returns the list; the recipe's _loss_step
+        # drops it before backward), each chunk upcast to fp32 for its F.cross_entropy, whose log_softmax saves
+        # its fp32 output: the saved bytes of HF's loss path (--loss-path hf), with one chunk's fp32 copy at
+        # a time instead of the whole one. memkit's chunked loss saves no log-probs (it recomputes them).
+        approx.append("torchtune chunked output + CE (8 chunks, fp32 log-probs of every chunk saved) priced as "
+                      "--loss-path hf: the whole fp32 copy and backward gradients instead of one chunk's")
+    if ".float()" in record.get("framework", ""):
+        # the stated stack upcasts the logits itself and the loop holds them (e.g. torchtune 0.1
+        # TransformerDecoder `self.output(h).float()`, the recipe's `logits` alive through backward)
+        loss_path = "upcast"
     if engine == "torch" and zero_stage == 3 and precision in ("fp16", "bf16"):
         approx.append("FSDP mixed precision casts params per unit (not torch.autocast)")
 
@@ -576,7 +583,7 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         attention=attention, micro_batch_size=int(micro), grad_accum=int(accum), seq_len=int(seq),
         dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
         sequence_parallel=sequence_parallel,
-        pp_schedule=pp_schedule, fsdp_use_orig_params=_use_orig_params(fsdp), loss=loss,
+        pp_schedule=pp_schedule, fsdp_use_orig_params=_use_orig_params(fsdp), loss=loss, loss_path=loss_path,
         optimizer_in_backward=bool(record.get("optimizer_in_backward")), **clip, **lora_kw)
     alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
     if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):

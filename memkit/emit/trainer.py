@@ -48,6 +48,10 @@ class TrainerRecipe:
     """Python lines to run on the model after from_pretrained (partial checkpointing, chunked loss)."""
     quantization: dict | None = None
     """transformers.BitsAndBytesConfig kwargs for a 4-bit base (from_pretrained quantization_config=)."""
+    loss_path: str = "hf"
+    """Who computes the loss the plan was priced with (memkit/plan/techniques.py LOSS_PATHS): 'hf' is
+    Trainer's own (compute_loss -> model(**inputs) with labels); another path is the user's
+    compute_loss / compute_loss_func, which model_code names in a comment."""
 
     def flags(self, *, deepspeed_path: str | None = None) -> list[str]:
         """The command-line flags, as HfArgumentParser(TrainingArguments) parses them."""
@@ -96,6 +100,13 @@ def lora_config(plan: TrainingPlan) -> dict | None:
             "lora_dropout": plan.lora_dropout, "target_modules": list(plan.lora_targets), "bias": "none"}
 
 
+LOSS_PATH_CODE = {
+    "ce-16bit": "your compute_loss_func runs F.cross_entropy on the 16-bit logits (no .float())",
+    "upcast": "your compute_loss_func upcasts the logits (.float()) and they stay alive until backward ends",
+}
+"""The one-line reminder of each user loss path in the Trainer recipe (memkit/train/loss_paths.py runs them)."""
+
+
 def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     """What the model needs besides TrainingArguments: partial checkpointing (Trainer's
     --gradient_checkpointing would checkpoint every block, so it stays off and the first K blocks
@@ -113,6 +124,8 @@ def model_code(plan: TrainingPlan) -> tuple[str, ...]:
     if plan.loss == "chunked":
         lines += ["from memkit.train.chunked_loss import chunked_causal_lm",
                   "model = chunked_causal_lm(model)  # the loss over chunks; logits are never materialised"]
+    if plan.loss_path != "hf" and plan.loss == "standard":  # the user's own loss (memkit/plan/techniques.py)
+        lines += [f"# loss priced as --loss-path {plan.loss_path}: {LOSS_PATH_CODE[plan.loss_path]}"]
     if plan.offload_activations == "cpu":  # memkit/plan/backward_techniques.py
         lines += ["from memkit.train.backward_techniques import offload_activations",
                   "model = offload_activations(model)  # saved activations to pinned host RAM in forward"]
@@ -136,4 +149,5 @@ def trainer_recipe(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: 
     return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
                          model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
                          peft_config=lora_config(plan), max_length=plan.seq_len,
-                         model_code=model_code(plan), quantization=bnb_config_kwargs(plan))
+                         model_code=model_code(plan), quantization=bnb_config_kwargs(plan),
+                         loss_path=plan.loss_path)

@@ -467,10 +467,10 @@ def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: i
     tape.region("head")
     logits_itemsize = num.autocast or num.weight_itemsize
     tape.linear(x, 0, weight_grad=not plan.is_lora, weight_itemsize=num.weight_itemsize)
-    saved = tape.saved_bytes + tokens * spec.vocab_size * 4  # + the fp32 log-probs log_softmax saves
+    saved = tape.saved_bytes + tokens * spec.vocab_size * sum(loss_path_bytes(plan).saved)  # + the log-probs
     if spec.block.final_softcap:  # Gemma 2: logits = tanh(logits / cap) * cap; tanh saves its output
         saved += tokens * spec.vocab_size * logits_itemsize
-    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, logits_itemsize)
+    forward_peak, backward_peak = _loss_peaks(tokens * spec.vocab_size, plan)
     embedding = tokens * 8 * 4  # embedding indices + input_ids, labels, shifted labels (int64)
     embedding += checkpointed_bias_bytes(spec, plan, b)
     return HeadActivations(saved_bytes=saved, forward_peak_bytes=forward_peak,
@@ -485,9 +485,11 @@ def _traced_head(spec: ModelSpec, plan: TrainingPlan, b: int, tokens: int, devic
         return head_activations(_llama_equivalent(spec), plan, micro_batch_size=b, device=device)
     num = numerics(plan)
     rows, width = head_logits(spec, plan, b)
-    forward_peak, backward_peak = _loss_peaks(rows * width, num.autocast or num.weight_itemsize)
+    forward_peak, backward_peak = _loss_peaks(rows * width, plan)
+    # The trace ran HF's loss (fp32 log-probs saved); another loss path saves its own instead.
+    path_saved = rows * width * (sum(loss_path_bytes(plan).saved) - 4)
     # The batch's input_ids are saved by the embedding (traced); labels live beside them (int64).
-    return HeadActivations(saved_bytes=trace.head_saved_bytes, forward_peak_bytes=forward_peak,
+    return HeadActivations(saved_bytes=trace.head_saved_bytes + path_saved, forward_peak_bytes=forward_peak,
                            backward_peak_bytes=backward_peak,
                            embedding_bytes=trace.embedding_saved_bytes + rows * 8
                            + checkpointed_bias_bytes(spec, plan, b))
@@ -540,15 +542,44 @@ def _loss_parallel_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, 
     return vocab_tokens * logits_itemsize + fp32_copy + vocab_tokens * 4, 3 * vocab_tokens * 4
 
 
-def _loss_peaks(vocab_tokens: int, logits_itemsize: int) -> tuple[int, int]:
-    """Forward and backward peaks of HF's ForCausalLMLoss beyond its saved log-probs."""
-    logits = vocab_tokens * logits_itemsize
-    fp32_copy = 0 if logits_itemsize == 4 else vocab_tokens * 4  # logits.float()
-    # Forward: the logits, their fp32 copy and the log-probs coexist inside cross_entropy. The
-    # logits are not saved by anything; a loop that drops the model output before backward (HF
-    # Trainer, memkit's runner) frees them.
-    forward_peak = logits + fp32_copy
-    # Backward of nll_loss + log_softmax: grad wrt the log-probs and grad wrt the fp32 logits
-    # coexist with the saved log-probs (aten _log_softmax_backward_data allocates its output).
-    backward_peak = 2 * vocab_tokens * 4
-    return forward_peak, backward_peak
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LossPathBytes:
+    """The loss's tensors on the materialised logits, per plan.loss_path, in bytes per logit element
+    (rows x vocabulary), in the order they are allocated."""
+    saved: tuple[int, ...]
+    """Alive from the forward until the loss backward ends: the log-probs log_softmax saves, and
+    the fp32 logits an 'upcast' loop holds."""
+    forward_work: tuple[int, ...]
+    """Allocated in the loss's forward beside `saved`, freed before backward: the logits the head
+    returns (nothing saves them; the loop drops the model output), their fp32 copy."""
+    backward_work: tuple[int, ...]
+    """Allocated anew by the loss backward beside `saved`: grad of the log-probs, grad of the logits."""
+
+
+def loss_path_bytes(plan: TrainingPlan) -> LossPathBytes:
+    """Per logit element, the tensors of the plan's loss path (memkit/plan/techniques.py LOSS_PATHS).
+    'hf': transformers ForCausalLMLoss (loss/loss_utils.py): `logits = logits.float()`, then
+    cross_entropy = log_softmax (saves its fp32 output) + nll_loss; backward: aten
+    _log_softmax_backward_data allocates the grad of the logits beside the grad of the log-probs.
+    'ce-16bit': F.cross_entropy on the 16-bit logits: log_softmax saves its output in their dtype
+    and the backward's two gradients are in it too; under autocast log_softmax runs in fp32
+    (aten/src/ATen/autocast_mode.cpp: log_softmax is fp32_set_opt_dtype), as 'hf'. 'upcast': the
+    16-bit logits' fp32 copy is held by the loop (torchtune TransformerDecoder.forward
+    `self.output(h).float()`, the recipe's `logits` local alive through `loss.backward()`), so it
+    is saved-sized until backward ends, beside the fp32 log-probs; the 16-bit logits die at the cast."""
+    num = numerics(plan)
+    c = num.autocast or num.weight_itemsize
+    if plan.loss_path == "ce-16bit" and not num.autocast:
+        return LossPathBytes(saved=(c,), forward_work=(c,), backward_work=(c, c))
+    if plan.loss_path == "upcast":
+        return LossPathBytes(saved=(4, 4), forward_work=(c,) if c != 4 else (), backward_work=(4, 4))
+    return LossPathBytes(saved=(4,), forward_work=(c, 4) if c != 4 else (c,), backward_work=(4, 4))
+
+
+def _loss_peaks(vocab_tokens: int, plan: TrainingPlan) -> tuple[int, int]:
+    """Forward and backward peaks of the plan's loss path beyond what it saves (loss_path_bytes).
+    Forward: the logits and their fp32 copy coexist inside cross_entropy; nothing saves the
+    logits, and a loop that drops the model output before backward (HF Trainer, memkit's runner)
+    frees them. Backward: the grads of the log-probs and of the logits coexist with the saved."""
+    path = loss_path_bytes(plan)
+    return vocab_tokens * sum(path.forward_work), vocab_tokens * sum(path.backward_work)

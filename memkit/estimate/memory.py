@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.activations import block_activations, head_logits, numerics
+from memkit.estimate.activations import block_activations, head_logits, loss_path_bytes, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.backward_techniques import offloaded_activation_bytes
 from memkit.estimate.bounds import QUANTILE_LABEL, margin
@@ -473,12 +473,13 @@ def _chunks(model: ModelSpec, plan: TrainingPlan, rp: RankParams, blk, head, ckp
     # the loss's tensors in the order they come: the logits, their fp32 copy, the fp32 log-probs
     logits = math.prod(head_logits(model, plan)) // max(1, tp)
     if plan.loss == "standard":
-        # saved: the fp32 log-probs; work (_loss_work_moments): the logits, then fp32 tensors (their
-        # copy, loss_parallel's shifted logits, transformers < 4.46's shifted copy); backward: fp32.
-        out["logits_and_loss"] = (max(1, logits * 4),)
-        out["loss_forward_work"] = (max(1, logits * (numerics(plan).autocast or numerics(plan).weight_itemsize)),
-                                    max(1, logits * 4))
-        out["loss_backward_work"] = (max(1, logits * 4),)
+        # saved: the log-probs (+ an upcast loop's fp32 logits); work (_loss_work_moments): the logits,
+        # then their fp32 copy (loss_parallel's shifted logits, transformers < 4.46's shifted copy);
+        # backward: the loss's gradients (estimate/activations.py loss_path_bytes).
+        path = loss_path_bytes(plan)
+        out["logits_and_loss"] = tuple(max(1, logits * b) for b in path.saved)
+        out["loss_forward_work"] = tuple(max(1, logits * b) for b in path.forward_work) or (1,)
+        out["loss_backward_work"] = (max(1, logits * max(path.backward_work)),)
     else:  # chunked / fused: the saved hidden states, then one chunk's buffers (estimate/techniques.py)
         out[loss_component(plan)] = (max(1, head.saved_bytes), max(1, head.forward_peak_bytes))
     out["backward_temporaries"] = (max(1, tokens * model.hidden_size * 2),)

@@ -252,11 +252,20 @@ class Loss(Technique):
         t.head_saved = (t.head.saved_bytes + t.head_copy) * t.in_flight if c.last else 0
         t.loss_bwd_saved = t.head_saved
         t.embed_saved = t.head.embedding_bytes * t.in_flight if c.first else 0
-        # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py).
+        # transformers < 4.46: logits[..., :-1, :].contiguous() before the loss (spec/stack.py); the
+        # model's own loss only (--loss-path hf; the user's paths shift the labels, memkit/plan/techniques.py).
         t.shift_copy = (plan.micro_batch_size * (plan.seq_len - 1) * model.vocab_size * 4 // plan.tp
                         if (c.habits.shifted_logits_copy and c.last and model.kind == "decoder"
-                            and plan.loss == "standard") else 0)
+                            and plan.loss == "standard" and plan.loss_path == "hf") else 0)
         t.loss_work = bool(c.last and plan.loss == "standard" and t.head.backward_peak_bytes)
+
+    def note(self, c, t):
+        plan = c.plan
+        if plan.loss_path == "hf" or plan.loss != "standard" or not c.last:
+            return None
+        what = {"ce-16bit": "your cross-entropy on the 16-bit logits",
+                "upcast": "your fp32 upcast of the logits, held until backward ends"}[plan.loss_path]
+        return f"loss path {plan.loss_path}: {what} (estimate/activations.py loss_path_bytes)"
 
 
 class ActivationOffload(Technique):

@@ -13,9 +13,9 @@ from typing import Literal, get_args, get_type_hints
 from memkit.errors import MemkitError
 from memkit.plan.parallel import split_knob_error
 from memkit.plan.backward_techniques import (ACTIVATION_OFFLOADS, OPTIMIZER_IN_BACKWARD_FLAG, activation_offload_error,
-                                             optimizer_in_backward_error)
-from memkit.plan.techniques import (CHECKPOINTING, LOSSES, checkpointing_error, checkpointing_type,  # noqa: F401
-                                    loss_knob_error, partial_blocks_error)
+                                        optimizer_in_backward_error)
+from memkit.plan.techniques import (CHECKPOINTING, LOSS_PATHS, LOSSES, checkpointing_error,  # noqa: F401
+                               checkpointing_type, loss_knob_error, loss_path_error, partial_blocks_error)
 from memkit.plan.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F401
 
 Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
@@ -25,6 +25,7 @@ Attention = Literal["eager", "sdpa", "flash"]
 Engine = Literal["deepspeed", "torch"]
 ZeroStage = Literal[0, 1, 2, 3]
 Loss = Literal[LOSSES]
+LossPath = Literal[LOSS_PATHS]
 QuantizeBase = Literal[QUANTIZE_BASES]
 ActivationOffload = Literal[ACTIVATION_OFFLOADS]
 TpEngine = Literal["autotp", "tp_plan"]
@@ -48,6 +49,7 @@ TASKS = get_args(Task)
 of an encoder / encoder-decoder), or a classification head of num_labels outputs on the whole
 sequence (AutoModelForSequenceClassification) or on every token (AutoModelForTokenClassification)."""
 TASK_FIELDS = ("task", "num_labels", "target_len")
+OMITTED_AT_DEFAULT = TASK_FIELDS + ("loss_path",)
 """to_dict leaves these out at their declared defaults, so plan.json files (and the presets) written
 before they existed read, and are written, the same."""
 MAX_MICRO_BATCH = 65_536
@@ -99,6 +101,10 @@ _OIB_HELP = ("step each parameter in its gradient hook (one gradient alive); nee
 _OFFLOAD_ACT_HELP = "cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)"
 _DQ_HELP = "with --quantize-base: keep the block scales in fp32 (default: double quantisation)"
 _CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py)"
+_LOSS_PATH_HELP = ("who computes the loss on the logits: hf (default: the model with labels, HF Trainer's path "
+                   "for your transformers version), ce-16bit (your own cross_entropy on 16-bit logits), upcast "
+                   "(your code or model upcasts the logits to fp32 and the loop holds them through backward); "
+                   "memkit's chunked loss and liger are --loss chunked / --loss fused")
 _TASK_HELP = ("causal-lm (default: the model's own LM head, masked/seq2seq LM for encoders/encoder-decoders), "
               "seq-cls or token-cls (a classification head of --num-labels)")
 _TARGET_LEN_HELP = "encoder-decoders (T5, BART): decoder tokens per sequence (default 0: --seq-len)"
@@ -130,6 +136,9 @@ class TrainingPlan:
         "pin": "default: standard, or chunked when the logits keep a plan from fitting", "run": None})
     """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
     liger-kernel's fused linear cross-entropy (CUDA only). memkit/plan/techniques.py."""
+    loss_path: LossPath = knob("hf", cli={"estimate": _LOSS_PATH_HELP, "workload": _LOSS_PATH_HELP})
+    """Who computes the loss on the standard loss's logits (memkit/plan/techniques.py LOSS_PATHS):
+    'hf' (the model with labels, per transformers version), 'ce-16bit', 'upcast'."""
     offload_activations: ActivationOffload = knob("none", cli={
         "estimate": _OFFLOAD_ACT_HELP, "pin": _OFFLOAD_ACT_HELP, "run": _OFFLOAD_ACT_HELP})
     """'cpu': every saved activation to host RAM in forward, back in backward (memkit/plan/backward_techniques.py)."""
@@ -267,7 +276,8 @@ class TrainingPlan:
         for f in fields(self):  # each knob's declared choices and lower bound (knob(...) above)
             _check_declared(f, getattr(self, f.name))
         for error in (checkpointing_error(self.checkpointing),
-                      loss_knob_error(self.loss, tp=self.tp, pp=self.pp)):
+                      loss_knob_error(self.loss, tp=self.tp, pp=self.pp),
+                      loss_path_error(self.loss_path, task=self.task)):
             if error:
                 raise MemkitError(error)
         if self.checkpointing not in CHECKPOINTING and self.pp > 1:
@@ -319,7 +329,7 @@ class TrainingPlan:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        defaults = {f.name: f.default for f in fields(self) if f.name in TASK_FIELDS}
+        defaults = {f.name: f.default for f in fields(self) if f.name in OMITTED_AT_DEFAULT}
         out = {k: v for k, v in asdict(self).items() if k not in defaults or defaults[k] != v}
         out["lora_targets"] = list(self.lora_targets)
         return out

@@ -27,6 +27,16 @@ CHECKPOINTING = ("none", "full", "selective")
 the outputs of the matmuls and attention kernels are kept, the cheap ops between them recomputed
 (torchtitan's selective op AC, torchtitan/models/llama3/infra/parallelize.py _save_list)."""
 LOSSES = ("standard", "chunked", "fused")
+LOSS_PATHS = ("hf", "ce-16bit", "upcast")
+"""Who computes the cross-entropy on the materialised logits of `--loss standard` (`--loss-path`):
+'hf': the model called with `labels` (transformers ForCausalLMLoss, loss/loss_utils.py: `logits.float()`
+inside the loss, labels shifted; before v4.46 each *ForCausalLM.forward shifted a contiguous copy of
+the logits: spec/stack.py), HF Trainer's path and the default; 'ce-16bit': the user's own
+`F.cross_entropy` on the 16-bit logits (no upcast; autocast upcasts log_softmax itself under AMP);
+'upcast': the user's code upcasts (`logits = model(...).logits.float()`, or the model does, as
+torchtune's TransformerDecoder `self.output(h).float()`) and the loop holds the fp32 logits until
+backward ends. memkit's chunked loss and liger's fused linear cross-entropy are `--loss chunked` /
+`--loss fused` (no logits materialised). Priced in estimate/activations.py loss_path_bytes."""
 
 
 def checkpointing_error(value: str) -> str | None:
@@ -75,6 +85,16 @@ def loss_knob_error(loss: str, *, tp: int, pp: int) -> str | None:
     if loss != "standard" and (tp > 1 or pp > 1):
         return (f"--loss {loss} with tp={tp} pp={pp}: split runs compute the loss in their own "
                 "stage/shard code; use --loss standard with --tp/--pp")
+    return None
+
+
+def loss_path_error(loss_path: str, *, task: str) -> str | None:
+    """A user's loss path is priced on a language-model head's logits. (With --loss chunked / fused,
+    memkit's or liger's loss replaces the user's and the path prices nothing: the planner may choose
+    chunked for a user who stated a path, and the Trainer recipe then wraps the model.)"""
+    if loss_path != "hf" and task != "causal-lm":
+        return (f"--loss-path {loss_path} with --task {task}: priced for a language-model head; "
+                "use --loss-path hf")
     return None
 
 
