@@ -251,13 +251,12 @@ def check_run(args: argparse.Namespace) -> None:
     """`train`'s plan flags against plan.json (or, without one, as a plan of their own), and the
     model's shape, before any launcher or rank starts (the ranks would find the same later)."""
     from memkit.plan.plan import TrainingPlan
-    from memkit.train.config import check_flags, read_plan_file, refuse_task
+    from memkit.train.config import check_flags, read_plan_file
     from memkit.train.main import plan_flags
 
     flags = plan_flags(args)
     if getattr(args, "plan", None):
         plan, _ = read_plan_file(args.plan)
-        refuse_task(plan)
         check_flags(plan, flags)
         check_launch_files(plan, plan_path=args.plan, config_file=getattr(args, "config_file", None))
     else:

@@ -179,16 +179,6 @@ def read_plan_file(path: str | Path) -> tuple[TrainingPlan, dict]:
     return doc.plan, doc.data
 
 
-def refuse_task(plan: TrainingPlan) -> None:
-    """The runner's data path (train/data.py) packs token ids whose labels are the ids themselves: it
-    has no class labels and no source/target columns, so a classifier or two-length plan is refused."""
-    if plan.task != "causal-lm" or plan.target_len:
-        what = f"--task {plan.task}" if plan.task != "causal-lm" else f"--target-len {plan.target_len}"
-        raise MemkitError(f"plan.json has {what}, but memkit's runner trains language models on token data only "
-                          "(no class labels, no source/target columns); use its accelerate.yaml / ds_config.json "
-                          "with your own loop, or plan with --task causal-lm and no --target-len to train here")
-
-
 def plan_model_name(doc: dict) -> str | None:
     from memkit.emit.plan_doc import PlanDocument
 

@@ -22,9 +22,10 @@ import torch
 
 from memkit.errors import MemkitError
 from memkit.train.records import SYNTHETIC, read_records
+from memkit.train.task_data import IGNORE_INDEX, FORMAT_OF_TASK, DataTask, check_kind, task_rows  # noqa: F401 (IGNORE_INDEX: loop.py reads it here)
 
-IGNORE_INDEX = -100
-"""Label that cross-entropy skips (torch.nn.functional.cross_entropy's default ignore_index)."""
+LM_TASK = DataTask(task="causal-lm")
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,10 +34,16 @@ class PackedData:
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    """Next-token targets are labels[:, 1:]; IGNORE_INDEX where no loss is taken."""
+    """Next-token targets are labels[:, 1:]; IGNORE_INDEX where no loss is taken. The task rows
+    (task_data.py): a seq2seq target [N, target_len], a class id per row [N], a class id per token."""
     attention_mask: torch.Tensor
     kind: str
-    """'text', 'prompt_completion', 'alpaca', 'chat' or 'synthetic'."""
+    """'text', 'prompt_completion', 'alpaca', 'chat', 'synthetic', or a task's ('seq2seq',
+    'classification', 'token_classification')."""
+    task: str = "causal-lm"
+    """What the labels train (task_data.DataTask.task): 'causal-lm', 'seq2seq', 'seq-cls', 'token-cls'."""
+    decoder_input_ids: "torch.Tensor | None" = None
+    """seq2seq: the labels shifted right behind the decoder start token; None otherwise."""
     source: str
     num_documents: int
     num_dropped_tokens: int = 0
@@ -56,7 +63,9 @@ class PackedData:
     """sha256 prefix of the packed tokens and labels (see fingerprint)."""
 
     def __post_init__(self):
-        object.__setattr__(self, "loss_tokens", (self.labels[:, 1:] != IGNORE_INDEX).sum(dim=1))
+        targets = self.labels[:, 1:] if self.task == "causal-lm" else self.labels  # only the LM shifts
+        valid = targets != IGNORE_INDEX
+        object.__setattr__(self, "loss_tokens", valid.sum(dim=1) if valid.dim() == 2 else valid.long())
         digest = hashlib.sha256()
         digest.update(self.input_ids.numpy().tobytes())
         digest.update(self.labels.numpy().tobytes())
@@ -69,6 +78,11 @@ class PackedData:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def target_len(self) -> int:
+        """Decoder tokens per row of a seq2seq set; 0 otherwise."""
+        return int(self.labels.shape[1]) if self.task == "seq2seq" else 0
 
     def fingerprint(self) -> str:
         """sha256 of the packed tokens and labels: a resumed run checks it saw the same data.
@@ -85,6 +99,8 @@ class PackedData:
                "attention_mask": self.attention_mask[index]}
         if self.position_ids is not None:
             out["position_ids"] = self.position_ids[index]
+        if self.decoder_input_ids is not None:
+            out["decoder_input_ids"] = self.decoder_input_ids[index]
         return out
 
 
@@ -146,7 +162,8 @@ def resolve_packing(choice: str | None, model_config, *, pipeline: bool = False)
 
 def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | None, vocab_size: int,
                  seed: int = 0, packing: bool = True, eval_source: str | None = None,
-                 eval_fraction: float = 0.0, truncate: bool = False, isolate: bool = False) -> PackedData:
+                 eval_fraction: float = 0.0, truncate: bool = False, isolate: bool = False,
+                 task: DataTask = LM_TASK) -> PackedData:
     """Read `source`, tokenize it and cut it into sequences of exactly `seq_len` tokens.
 
     packing=True: text is one EOS-separated stream cut every seq_len tokens, and whole examples
@@ -157,7 +174,8 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     answer, or a conversation) longer than seq_len is an error, or with truncate=True keeps its
     first seq_len tokens (TRL's SFTConfig truncation_mode="keep_start", its default). isolate=True
     (--packing isolated) packs examples as packing=True does, each attending only to itself
-    (PackedData.position_ids); text streams are unaffected.
+    (PackedData.position_ids); text streams are unaffected. A task other than the causal LM
+    (seq2seq, seq-cls, token-cls) takes one example per row, padded (memkit/train/task_data.py).
     """
     if max_positions is not None and seq_len > max_positions:
         raise MemkitError(f"--seq-len {seq_len} is longer than the model allows "
@@ -167,22 +185,25 @@ def prepare_data(source: str, tokenizer, *, seq_len: int, max_positions: int | N
     if not 0 <= eval_fraction < 1:
         raise MemkitError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
     if _is_synthetic(source):
+        if not task.is_lm:
+            raise MemkitError(f"--data {source}: synthetic data are random tokens with no {task.task} labels; pass "
+                              f"records with {FORMAT_OF_TASK[task.task]}")
         data = _synthetic(source, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
         return _split_synthetic(data, eval_fraction) if eval_fraction else data
     kind, records = read_records(source)
     eval_data = None
+    common = {"truncate": truncate, "isolate": isolate, "task": task}
     if eval_fraction:
         records, held_out = _hold_out(records, eval_fraction, seed=seed, source=source)
         eval_data = _tokenize_and_pack(kind, held_out, tokenizer, seq_len=seq_len, packing=packing,
-                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction",
-                                       truncate=truncate, isolate=isolate)
+                                       source=f"{source} (eval {eval_fraction:g})", what="--eval-fraction", **common)
     elif eval_source is not None:
         eval_kind, eval_records = read_records(eval_source, flag="--eval-data")
         eval_data = _tokenize_and_pack(eval_kind, eval_records, tokenizer, seq_len=seq_len,
                                        packing=packing, source=eval_source, what=f"--eval-data {eval_source}",
-                                       truncate=truncate, isolate=isolate)
+                                       **common)
     data = _tokenize_and_pack(kind, records, tokenizer, seq_len=seq_len, packing=packing, source=source,
-                              what=f"--data {source}", truncate=truncate, isolate=isolate)
+                              what=f"--data {source}", **common)
     return data if eval_data is None else dataclasses.replace(data, eval=eval_data)
 
 
@@ -256,7 +277,11 @@ def _examples(kind: str, records: list[dict], tokenizer, *, what: str) -> list[t
     """(input ids, labels) of each record, before packing or padding."""
     from memkit.train.chat import alpaca_prompt, chat_example, ensure_chat_template
 
+    from memkit.train.task_data import source_ids
+
     eos = tokenizer.eos_token_id
+    if kind in ("seq2seq", "classification", "token_classification"):  # the encoder's tokens
+        return [(ids, ids) for ids in source_ids(kind, records, tokenizer)]
     if kind == "text":
         ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
         return [(list(doc) + [eos], list(doc) + [eos]) for doc in ids]
@@ -274,7 +299,14 @@ def _examples(kind: str, records: list[dict], tokenizer, *, what: str) -> list[t
 
 
 def _tokenize_and_pack(kind: str, records: list[dict], tokenizer, *, seq_len: int, packing: bool,
-                       source: str, what: str, truncate: bool = False, isolate: bool = False) -> PackedData:
+                       source: str, what: str, truncate: bool = False, isolate: bool = False,
+                       task: DataTask = LM_TASK) -> PackedData:
+    check_kind(kind, task, what=what, where=records[0]["_where"])
+    if not task.is_lm:
+        rows = task_rows(kind, records, tokenizer, task, seq_len=seq_len, truncate=truncate, what=what)
+        return PackedData(**rows, kind=kind, task=task.task, source=source, num_documents=len(records))
+    if kind == "classification":  # a causal LM trains on the text and leaves the label (records.py)
+        kind = "text"
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     examples = _examples(kind, records, tokenizer, what=what)

@@ -377,7 +377,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
     else:
         pipe = None
         model, optimizer, num_params, num_trainable = _model_and_optimizer(
-            accelerator, plan, run, model_source, model_config, ds_config=ds_config)
+            accelerator, plan, run, model_source, model_config, ds_config=ds_config, task=data.task,
+            pad_token_id=tokenizer.pad_token_id)
     meter = MemoryMeter(device, tracker=tracker)
 
     manager = CheckpointManager(out_dir / "checkpoints", accelerator, keep=run.keep_checkpoints)
@@ -409,7 +410,8 @@ def _setup(*, plan_in, flags, run: RunConfig, data: PackedData, tokenizer, model
         "backend": accelerator.state.backend, "device": str(device), "plan": plan.to_dict(),
         "deepspeed_config": ds_config, "num_params": num_params, "num_trainable_params": num_trainable,
         "data": {"source": data.source, "kind": data.kind, "num_sequences": data.num_sequences,
-                 "seq_len": data.seq_len, "num_documents": data.num_documents,
+                 "seq_len": data.seq_len, "num_documents": data.num_documents, "task": data.task,
+                 "target_len": data.target_len,
                  "fingerprint": data.fingerprint(),
                  "eval": None if evaluation is None else {"source": evaluation.source,
                                                           "num_sequences": evaluation.num_sequences}},
@@ -682,7 +684,14 @@ def _evaluate(st: _Run) -> float | None:
             positions = start + st.layout.dp_rank * micro + np.arange(micro)
             valid = torch.as_tensor(positions < evaluation.num_sequences)
             batch = evaluation.batch(np.where(positions < evaluation.num_sequences, positions, 0))
-            labels = batch["labels"].masked_fill(~valid[:, None], IGNORE_INDEX)
+            labels = batch["labels"].masked_fill(~valid.view(-1, *[1] * (batch["labels"].dim() - 1)), IGNORE_INDEX)
+            if evaluation.task != "causal-lm":  # seq2seq / classifier rows (memkit/train/task_data.py)
+                from memkit.train.model import task_loss_sum
+
+                loss_sum = task_loss_sum(st.model, {**{k: v.to(device) for k, v in batch.items()}, "labels": labels},
+                                         evaluation.task)
+                totals += torch.tensor([float(loss_sum), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+                continue
             logits = st.model(input_ids=batch["input_ids"].to(device),  # masked as the training steps are
                               **{k: v.to(device) if isinstance(v, torch.Tensor) else v
                                  for k, v in mask_kwargs(batch).items()}).logits
@@ -818,7 +827,12 @@ def _accumulate_window(accelerator, model, optimizer, data: PackedData, micro_ba
         with accelerator.accumulate(model):
             # The plan's loss: HF logits + causal_lm_loss_sum, or the chunked head (train/techniques.py).
             with forward_context():  # --offload-activations (train/backward_techniques.py)
-                loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
+                if data.task != "causal-lm":  # seq2seq / classifier rows (memkit/train/task_data.py)
+                    from memkit.train.model import task_loss_sum
+
+                    loss_sum = task_loss_sum(model, batch, data.task)
+                else:
+                    loss_sum = micro_loss_sum(model, find_head(model), batch, causal_lm_loss_sum)
             accelerator.backward(loss_sum * scale)
             if not is_ds:
                 if accelerator.sync_gradients and clip > 0:
@@ -858,7 +872,7 @@ def _pipeline_and_optimizer(plan: TrainingPlan, run: RunConfig, layout, model_so
 
 
 def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_source, model_config, *,
-                         ds_config: dict | None):
+                         ds_config: dict | None, task: str = "causal-lm", pad_token_id: int | None = None):
     """Build the model with the plan's knobs and its optimizer; prepare both (DeepSpeed engine
     under a DeepSpeed config). Returns (model, optimizer, num_params, num_trainable_params)."""
     from memkit.train.model import apply_plan, build_model, count_params, has_batchnorm
@@ -871,14 +885,15 @@ def _model_and_optimizer(accelerator, plan: TrainingPlan, run: RunConfig, model_
                                 pretrained=run.init == "pretrained")
     else:
         model = build_model(model_source, model_config, attention=plan.attention, seed=run.seed,
-                            pretrained=run.init == "pretrained")
+                            pretrained=run.init == "pretrained", task=task, num_labels=plan.num_labels,
+                            pad_token_id=pad_token_id)
     if has_batchnorm(model):
         warnings.warn("the model has BatchNorm layers: gradient accumulation changes their batch "
                       "statistics (each micro-batch is normalised alone), so micro x accum is not "
                       "equivalent to one large batch for them", stacklevel=1)
     if plan.precision == "bf16-pure" and not is_ds:
         model = model.to(torch.bfloat16)
-    model = apply_plan(model, plan)
+    model = apply_plan(model, plan, task)
     num_params, num_trainable = count_params(model)
     params = [p for p in model.parameters() if p.requires_grad]
     cpu_offload = is_ds and plan.offload_optimizer != "none"
@@ -913,11 +928,12 @@ def _trainer_state(step: int, tokens_seen: int, data: PackedData, plan: Training
 
 def _save_probe(accelerator, model, data: PackedData, path: Path, device) -> None:
     """Logits of the trained model on sequence 0, for checking the saved folder (collective)."""
+    from memkit.train.model import task_logits
+
     probe = data.batch([0])
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"].to(device),
-                       attention_mask=probe["attention_mask"].to(device)).logits
+        logits = task_logits(model, {k: v.to(device) for k, v in probe.items()})  # ids, mask (+ decoder ids)
     if accelerator.is_main_process:
         torch.save({"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"],
                     "logits": logits.float().cpu(), "dtype": str(logits.dtype)}, path)

@@ -133,16 +133,15 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     tokenizer and the data. launched=False (`memkit train`, before it starts the launcher) skips
     the launched-world checks."""
     from memkit.train.config import (check_flags, check_split, default_lr, plan_model_name, read_plan_file,
-                                     refuse_task, scaled_lr)
+                                     scaled_lr)
     from memkit.train.data import prepare_data
-    from memkit.train.model import choose_init, load_config, max_positions, resolve_model
+    from memkit.train.model import choose_init, data_task, load_config, max_positions, resolve_model
     from memkit.train.output_dir import check_output_dir
     from memkit.train.tokenizer import load_tokenizer
 
     plan, plan_doc = (None, None)
     if args.plan:
         plan, plan_doc = read_plan_file(args.plan)
-        refuse_task(plan)
     flags = plan_flags(args)
     if plan is not None:
         check_flags(plan, flags)  # --micro-batch-size 4 against a plan of 2: one line, before any rank starts
@@ -165,7 +164,10 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
     if seq_len is None:
         raise MemkitError("no sequence length: pass --seq-len or a --plan")
-    tokenizer = load_tokenizer(source.folder, vocab_size=config.vocab_size)
+    task = data_task(plan if plan is not None else TrainingPlan(**{  # seq2seq / classifiers: plan.json's task
+        k: (tuple(v) if k == "lora_targets" else v) for k, v in flags.items() if v is not None}), config)
+    tokenizer = load_tokenizer(source.folder, vocab_size=config.vocab_size,
+                               require_eos=task.task in ("causal-lm", "seq2seq"))
     if args.max_steps is not None and args.num_epochs is not None:
         raise MemkitError(f"--max-steps {args.max_steps} and --num-epochs {args.num_epochs:g} both given; use one")
     check_output_dir(Path(args.output_dir), resume=args.resume, overwrite=args.overwrite)
@@ -174,11 +176,17 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     check_report_to(args.report_to)
     from memkit.train.data import resolve_packing
 
-    packing, packing_note = resolve_packing(args.packing, config, pipeline=plan is not None and plan.pp > 1)
+    if task.is_lm:
+        packing, packing_note = resolve_packing(args.packing, config, pipeline=plan is not None and plan.pp > 1)
+    elif args.packing in ("on", "isolated"):
+        raise MemkitError(f"--packing {args.packing}: a {task.task} run trains one example per sequence "
+                          "(memkit.train.task_data); drop --packing or pass --packing off")
+    else:
+        packing, packing_note = "off", f"{task.task} examples are one per sequence"
     data = prepare_data(args.data, tokenizer, seq_len=seq_len, max_positions=max_positions(config),
                         vocab_size=config.vocab_size, seed=args.seed, packing=packing != "off",
                         eval_source=args.eval_data, eval_fraction=args.eval_fraction, truncate=args.truncate,
-                        isolate=packing == "isolated")
+                        isolate=packing == "isolated", task=task)
     if packing_note and data.kind == "text":  # isolation is for examples; a text stream packs GPT-style
         packing, packing_note = "on", "the default for text"
     micro = flags["micro_batch_size"] or (plan.micro_batch_size if plan else 1)
@@ -243,7 +251,8 @@ def start_lines(prepared: "Prepared", *, world: int, packing, packing_note: str 
     else:
         steps, how = run.max_steps, "--max-steps" if run.max_steps != 100 else "the default --max-steps"
     epochs = steps * batch / data.num_sequences
-    lines = [f"data: {data.num_sequences:,} sequences of {data.seq_len} tokens from {data.source} ({data.kind}, "
+    target = f" -> targets of {data.target_len}" if data.target_len else ""
+    lines = [f"data: {data.num_sequences:,} sequences of {data.seq_len} tokens{target} from {data.source} ({data.kind}, "
              f"{data.num_documents:,} records)"
              + (f"; {data.num_truncated:,} example(s) cut to {data.seq_len} tokens (--truncate)" if data.num_truncated
                 else ""),

@@ -3,7 +3,9 @@ with fresh weights. What `--model` names is resolved by memkit.spec.resolve (the
 every command uses: a folder or config.json, a catalog name or alias, a cached hub id).
 
 Then the plan's model-side knobs: attention kernel, activation checkpointing, LoRA.
-Nothing is downloaded.
+Nothing is downloaded. The model's head follows the task (data_task): a causal LM, an encoder-
+decoder's seq2seq LM, or a sequence / token classification head of --num-labels outputs; the
+forward and loss sum of the task rows are task_loss_sum's.
 """
 from __future__ import annotations
 
@@ -64,8 +66,52 @@ def choose_init(source: ModelSource, init: str | None) -> tuple[ModelSource, str
                               "(--init random says so)")
 
 
-def build_model(source: ModelSource, config, *, attention: str, seed: int, pretrained: bool = True):
-    """A causal LM in fp32: the folder's weights when `pretrained` and it has them, else fresh seeded weights.
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
+                "seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
+"""The transformers auto class of each data task (transformers models/auto/modeling_auto.py)."""
+_MAPPINGS = {"seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+             "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+             "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
+PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS", "token-cls": "TOKEN_CLS"}
+"""peft TaskType of each data task: SEQ_CLS / TOKEN_CLS also train the new head (peft's
+PeftModelForSequenceClassification / ...TokenClassification put classifier / score in modules_to_save)."""
+
+
+def data_task(plan: TrainingPlan, config):
+    """The runner's DataTask (memkit/train/task_data.py) for the plan on this model: --task causal-lm on an
+    encoder-decoder (config.is_encoder_decoder: BART, T5) is its seq2seq LM; the plan's head otherwise.
+    Refuses, in one line, what the runner cannot train."""
+    from memkit.train.task_data import DataTask
+
+    model_type = getattr(config, "model_type", "?")
+    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    task = "seq2seq" if plan.task == "causal-lm" and enc_dec else plan.task
+    if plan.target_len and task != "seq2seq":
+        raise MemkitError(f"--target-len {plan.target_len}: {model_type} with --task {plan.task} has no decoder "
+                          "of its own length; drop --target-len (it is for encoder-decoders such as BART / T5)")
+    if task == "causal-lm":
+        return DataTask(task=task)
+    if plan.is_quantized or plan.pp > 1 or plan.tp > 1 or plan.loss != "standard":
+        what = ("QLoRA" if plan.is_quantized else f"--tp {plan.tp} --pp {plan.pp}" if plan.tp * plan.pp > 1
+                else f"--loss {plan.loss}")
+        raise MemkitError(f"{what} with a {task} model ({model_type}): the runner trains these unsplit, unquantized, "
+                          "with the standard loss; plan with --tp 1 --pp 1, LoRA instead of QLoRA, --loss standard")
+    import transformers.models.auto.modeling_auto as auto
+
+    if model_type not in getattr(auto, _MAPPINGS[task]):
+        raise MemkitError(f"--task {plan.task}: transformers has no {AUTO_CLASSES[task][len('AutoModelFor'):]} "
+                          f"model for model_type {model_type!r}; use a model that has one, or another --task")
+    return DataTask(task=task, num_labels=plan.num_labels, target_len=plan.target_len,
+                    decoder_start_token_id=getattr(config, "decoder_start_token_id", None),
+                    decoder_pad_token_id=getattr(config, "pad_token_id", None))
+
+
+def build_model(source: ModelSource, config, *, attention: str, seed: int, pretrained: bool = True,
+                task: str = "causal-lm", num_labels: int = 2, pad_token_id: int | None = None):
+    """The task's model (AUTO_CLASSES) in fp32: the folder's weights when `pretrained` and it has
+    them, else fresh seeded weights; a classification head is fresh either way, of `num_labels`
+    outputs. pad_token_id: the tokenizer's, which a decoder's sequence classifier reads to find
+    each row's last token (transformers ...ForSequenceClassification.forward) when the config has none.
 
     Under ZeRO-3 (zero3_init_flag) transformers builds it inside deepspeed.zero.Init, so each
     rank only ever holds its partition (transformers: integrations/deepspeed.py).
@@ -77,18 +123,25 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int, pretr
     # which torch.compile-registers its ops and so imports torch._inductor: ~2.8 CPU s per rank
     # for plans that use none of them (measured, the tiny Llama of tests/e2e/runner_util.py).
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    if not any(arch.endswith("ForCausalLM") for arch in (config.architectures or ["?ForCausalLM"])):
+    auto_class = getattr(transformers, AUTO_CLASSES[task])
+    if task == "causal-lm" and not any(arch.endswith("ForCausalLM")
+                                       for arch in (config.architectures or ["?ForCausalLM"])):
         raise MemkitError(f"--model {source.name} is a {config.architectures[0]}; the runner trains causal "
-                          "language models (…ForCausalLM)")
+                          "language models (…ForCausalLM), encoder-decoders (…ForConditionalGeneration) and, "
+                          "with --task seq-cls / token-cls, classifiers")
+    if task in ("seq-cls", "token-cls"):
+        config.num_labels = num_labels  # a fresh head of num_labels outputs (PretrainedConfig.num_labels)
+        if getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = pad_token_id
     set_seed(seed)
     kwargs = {"attn_implementation": HF_ATTN_IMPLEMENTATION[attention], "dtype": torch.float32}
     try:
         if pretrained and source.has_weights:
-            model = AutoModelForCausalLM.from_pretrained(str(source.folder), config=config, **kwargs)
+            model = auto_class.from_pretrained(str(source.folder), config=config, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto_class.from_config(config, **kwargs)
     except ImportError as exc:  # e.g. flash_attention_2 without the flash-attn package
         raise MemkitError(f"attention {attention!r}: {exc}") from None
     if hasattr(model.config, "use_cache"):
@@ -108,7 +161,28 @@ def build_quantized(source: ModelSource, config, plan: TrainingPlan, *, seed: in
                           plan, device=str(device))
 
 
-def apply_plan(model, plan: TrainingPlan):
+def task_loss_sum(model, batch: dict, task: str):
+    """Sum of the losses of a task micro-batch (task_data.py's rows), in fp32: token cross-entropy of
+    a seq2seq decoder (labels not shifted: the decoder inputs are, data.PackedData.decoder_input_ids)
+    or a token classifier, or one cross-entropy per row of a sequence classifier; IGNORE_INDEX
+    skipped (transformers loss/loss_utils.py ForTokenClassification / the seq-cls single_label path)."""
+    import torch
+
+    from memkit.train.task_data import IGNORE_INDEX
+
+    logits = task_logits(model, batch)
+    labels = batch["labels"].to(logits.device)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def task_logits(model, batch: dict):
+    """The model's logits on a task batch: the encoder's ids and mask, and a seq2seq decoder's inputs."""
+    keys = ("input_ids", "attention_mask", "decoder_input_ids")
+    return model(**{k: batch[k] for k in keys if batch.get(k) is not None}).logits
+
+
+def apply_plan(model, plan: TrainingPlan, task: str = "causal-lm"):
     """Activation checkpointing (all or the first K blocks), the loss head and LoRA as the plan
     says (memkit/train/techniques.py); returns the (maybe wrapped) model."""
     from memkit.train.techniques import apply_checkpointing, apply_loss
@@ -125,7 +199,8 @@ def apply_plan(model, plan: TrainingPlan):
             raise MemkitError(f"LoRA targets {missing} are not modules of this model; try some of {linears}")
         from memkit.emit.trainer import lora_config
 
-        config = LoraConfig(**lora_config(plan))  # the fields the bundle's adapter_config.json holds
+        # the fields the bundle's adapter_config.json holds; the task type from the model the runner built
+        config = LoraConfig(**{**lora_config(plan), "task_type": PEFT_TASK_TYPES[task]})
         model = get_peft_model(model, config)
     return model
 

@@ -10,6 +10,12 @@ split). Every record of a file has one of these formats (the first record decide
     alpaca             {"instruction": "...", "input": "...", "output": "..."}   loss on output
     chat               {"messages": [{"role": "user", "content": "..."}, ...]}   loss on
                        {"conversations": [{"from": "human", "value": "..."}, ...]}  assistant turns
+    seq2seq            {"source": "...", "target": "..."}   encoder-decoders: loss on the target
+    classification     {"text": "...", "label": 2}          --task seq-cls: one class id per text
+    token_classification {"tokens": ["EU", "rejects"], "labels": [3, 0]}   --task token-cls: a class
+                       id per word ("ner_tags" is read as "labels", the conll2003 layout)
+
+A classification record is also a text record: a causal-LM run trains on its text (data.py).
 
 `conversations` is the ShareGPT layout (FastChat: fastchat/data; from = human | gpt | system);
 it is read into `messages` with roles user / assistant / system.
@@ -22,12 +28,13 @@ from pathlib import Path
 from memkit.errors import MemkitError
 
 SYNTHETIC = "synthetic"
-KINDS = ("text", "prompt_completion", "alpaca", "chat")
+KINDS = ("text", "prompt_completion", "alpaca", "chat", "seq2seq", "classification", "token_classification")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
 """ShareGPT 'from' values (FastChat's conversation files) -> chat roles."""
 _EXPECTED = ("expected 'text', or 'prompt' and 'completion', or 'instruction' and 'output' (alpaca), "
-             "or 'messages' / 'conversations' (chat)")
+             "or 'messages' / 'conversations' (chat), or 'source' and 'target' (seq2seq), or 'text' and 'label' "
+             "(seq-cls), or 'tokens' and 'labels' (token-cls)")
 
 
 def read_records(source: str, *, flag: str = "--data") -> tuple[str, list[dict]]:
@@ -166,8 +173,17 @@ def record_of(row, where: str) -> tuple[str, dict]:
     """(kind, normalised record) of one row, or MemkitError saying what is wrong with it."""
     if not isinstance(row, dict):
         raise MemkitError(f"{where} is a {type(row).__name__}, not an object; {_EXPECTED}")
+    if "text" in row and "label" in row:
+        return "classification", {"text": _string(row, "text", where), "label": _class_id(row["label"], "label", where)}
     if "text" in row:
         return "text", {"text": _string(row, "text", where)}
+    if "source" in row and "target" in row:
+        source, target = _string(row, "source", where), _string(row, "target", where)
+        if not target:
+            raise MemkitError(f"{where}: 'target' is empty; the loss is taken on it")
+        return "seq2seq", {"source": source, "target": target}
+    if "tokens" in row and ("labels" in row or "ner_tags" in row):
+        return "token_classification", _token_labels(row, where)
     if "prompt" in row and "completion" in row:
         prompt, completion = _string(row, "prompt", where), _string(row, "completion", where)
         if not completion:
@@ -184,6 +200,25 @@ def record_of(row, where: str) -> tuple[str, dict]:
         return "chat", {"messages": _messages(row, where)}
     keys = sorted(k for k in row if not str(k).startswith("_"))
     raise MemkitError(f"{where} has fields {keys}; {_EXPECTED}")
+
+
+def _class_id(value, key: str, where: str) -> int:
+    """A class id: an int (not a bool); its range is checked against --num-labels in data.py."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MemkitError(f"{where}: {key!r} is {value!r} ({type(value).__name__}); it must be an integer class id "
+                          "0..num_labels-1 (map label names to ids first)")
+    return value
+
+
+def _token_labels(row: dict, where: str) -> dict:
+    key = "labels" if "labels" in row else "ner_tags"
+    tokens, labels = row["tokens"], row[key]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise MemkitError(f"{where}: 'tokens' must be a non-empty list of non-empty strings (the words)")
+    if not isinstance(labels, list) or len(labels) != len(tokens):
+        shown = len(labels) if isinstance(labels, list) else type(labels).__name__
+        raise MemkitError(f"{where}: {key!r} has {shown} entries for {len(tokens)} tokens; give one class id per word")
+    return {"tokens": tokens, "labels": [_class_id(v, f"{key}[{i}]", where) for i, v in enumerate(labels)]}
 
 
 def _string(row: dict, key: str, where: str) -> str:

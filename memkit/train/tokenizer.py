@@ -57,16 +57,17 @@ def has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).exists() for name in _TOKENIZER_FILES)
 
 
-def load_tokenizer(model_source: Path | None, *, vocab_size: int):
+def load_tokenizer(model_source: Path | None, *, vocab_size: int, require_eos: bool = True):
     """The model folder's tokenizer when it has one, else memkit's byte tokenizer.
 
-    `vocab_size` is the model's embedding rows: every token id must index one.
+    `vocab_size` is the model's embedding rows: every token id must index one. require_eos=False: a
+    classifier's (BERT's WordPiece tokenizer has [CLS]/[SEP] and no eos; nothing is closed by one).
     """
     if model_source is not None and has_tokenizer(model_source):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_source))
-        if tok.pad_token_id is None:
+        if tok.pad_token_id is None and tok.eos_token is not None:
             tok.pad_token = tok.eos_token
     else:
         tok = byte_tokenizer()
@@ -74,7 +75,7 @@ def load_tokenizer(model_source: Path | None, *, vocab_size: int):
         raise MemkitError(
             f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {vocab_size}; "
             f"use a model with vocab_size >= {len(tok)} or put a matching tokenizer in the model folder")
-    if tok.eos_token_id is None:
+    if tok.eos_token_id is None and require_eos:
         raise MemkitError(f"the tokenizer in {model_source} has no eos token; set eos_token in its "
                           "tokenizer_config.json")
     return tok

@@ -63,12 +63,16 @@ def test_refused_variants_are_one_line_exit_2(tmp_path, capsys, config, name, ex
     assert message in err and err.count("\n") == 1
 
 
-def test_runner_refuses_a_classifier_plan_in_one_line(tmp_path, capsys):
-    from memkit.train.config import refuse_task
-    from memkit.errors import MemkitError
+def test_runner_refuses_what_it_cannot_train_in_one_line():
+    from transformers import BertConfig, LlamaConfig
 
-    with pytest.raises(MemkitError, match="--task seq-cls, but memkit's runner trains language models"):
-        refuse_task(TrainingPlan(task="seq-cls"))
-    with pytest.raises(MemkitError, match="--target-len 64"):
-        refuse_task(TrainingPlan(target_len=64))
-    refuse_task(TrainingPlan())  # the runner's own plans pass
+    from memkit.errors import MemkitError
+    from memkit.train.model import data_task
+
+    bert = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    assert data_task(TrainingPlan(task="seq-cls", num_labels=3), bert).num_labels == 3
+    with pytest.raises(MemkitError, match="--target-len 64: bert with --task causal-lm has no decoder"):
+        data_task(TrainingPlan(target_len=64), bert)
+    with pytest.raises(MemkitError, match="QLoRA with a seq-cls model"):
+        data_task(TrainingPlan(task="seq-cls", lora_rank=8, quantize_base="nf4"), bert)
+    assert data_task(TrainingPlan(), LlamaConfig()).task == "causal-lm"  # the runner's own plans
