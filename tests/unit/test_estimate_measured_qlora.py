@@ -8,25 +8,15 @@ tests/unit/test_estimate_measured.py; measured: all rows within 3.2 %.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
+from golden_rows import estimate_row, golden_rows  # tests/unit/golden_rows.py
 
-from memkit.estimate.memory import estimate_memory
 from memkit.plan.plan import TrainingPlan
-from memkit.spec.hardware import Hardware, find_gpu
-from memkit.spec.hf import spec_from_config
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "cpu_measurements_qlora.json"
 TOLERANCE = 0.05
-ROWS = json.loads(GOLDEN.read_text())["rows"]
-
-
-def _estimate(row):
-    spec = spec_from_config(dict(row["model_config"]), name=row["arch"])
-    plan = TrainingPlan.from_dict(row["plan"])
-    return estimate_memory(spec, plan, Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=1), device="cpu")
+ROWS = golden_rows("qlora")
+_estimate = estimate_row
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
