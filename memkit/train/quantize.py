@@ -37,7 +37,25 @@ def load_quantized(folder: str | Path, plan: TrainingPlan, *, device: str = "cpu
         **kwargs)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    keep_training_layout(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_training_layout(model) -> int:
+    """Keep every 4-bit linear in the layout it trains in, on any CPU. On a CPU with AVX512-BF16,
+    bitsandbytes' Linear4bit.forward repacks its weight for CPU inference the first time it runs in
+    eval mode without grad (bitsandbytes nn/modules.py, Linear4bit.forward, support_avx512bf16_for_cpu;
+    functional.py, _convert_weight_packed_for_cpu): the absmax becomes bf16 in a new shape, and the
+    repack itself fails where in_features < the quantisation block (absmax.reshape(out, in // blocksize)
+    is [out, 0]) -- a run's eval and save probe on a small model died of it on such a host. The
+    runner's eval and probe take the training kernels instead (the same on every CPU, and on GPU
+    this path does not exist). Returns how many modules were switched."""
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
 
 
 def quantize_fresh(model, plan: TrainingPlan, *, device: str = "cpu"):

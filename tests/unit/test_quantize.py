@@ -88,3 +88,50 @@ def test_runner_refuses_a_4bit_base_under_deepspeed_and_takes_it_under_ddp():
     plan = resolve_plan(plan=None, flags={**flags, "double_quant": False}, ds_config=None, world_size=2,
                         distributed_type="MULTI_GPU")
     assert (plan.engine, plan.dp, plan.quantize_base, plan.double_quant) == ("torch", 2, "nf4", False)
+
+
+def _tiny_4bit_llama():
+    """A Llama whose linears are narrower than one quantisation block (in_features 32 < 64), as
+    the e2e recipes' tiny model, through the runner's own 4-bit load (memkit/train/quantize.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memkit.train.quantize import quantize_fresh
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
+                                  max_position_embeddings=64, tie_word_embeddings=False)
+    plan = TrainingPlan(quantize_base="nf4", lora_rank=8, precision="fp32")
+    return quantize_fresh(AutoModelForCausalLM.from_config(config), plan)
+
+
+def test_a_4bit_base_evaluates_in_its_training_layout_on_any_cpu():
+    """On an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit for inference on its first eval-mode
+    no-grad forward (Linear4bit.forward, support_avx512bf16_for_cpu), and the repack fails on a
+    linear narrower than a block: absmax.reshape(out, in // 64) is [32, 0] (functional.py,
+    _convert_weight_packed_for_cpu) -- the error a CI host gave the QLoRA recipe's eval. The
+    runner's load turns that path off on every module, so eval runs the training kernels."""
+    import torch
+
+    model = _tiny_4bit_llama()
+    linears = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert len(linears) == 7 and not any(m.support_avx512bf16_for_cpu for m in linears)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 320) and torch.isfinite(logits).all()
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in linears)
+
+
+def test_the_avx512_bf16_repack_is_what_fails_without_the_switch():
+    """The same model with one module's flag as bitsandbytes sets it on such a host (the repack is
+    plain torch, so it runs on this CPU too): the eval forward raises the CI error."""
+    import torch
+
+    model = _tiny_4bit_llama()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.support_avx512bf16_for_cpu = True
+    model.eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"shape '\[32, 0\]' is invalid for input of size 16"):
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]))
