@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
 from memkit.emit.plan_doc import DEFAULT_LR
@@ -21,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--global-batch-size", type=int, required=True,
                    help="sequences per optimizer step across all GPUs (micro x accum x dp, exactly)")
     add_knob_flags(w, "workload")  # memkit/plan/plan.py declares each knob
+    w.add_argument("--data", metavar="FILE",
+                   help="your training data (any `memkit train --data` format): --seq-len comes from it unless "
+                        "given (the longest example rounded up to 64, as `memkit run`), and the output says what "
+                        "padding costs against packing; tokenized by the model folder's tokenizer, else memkit's "
+                        "byte tokenizer")
+    p.set_defaults(seq_len=None)  # unset: from --data, else the knob's default (resolve_seq_len)
     pins = p.add_argument_group("pins (leave out to let memkit choose)")
     add_knob_flags(pins, "pin")
     pins.add_argument("--no-offload", action="store_true", help="never offload to CPU or NVMe")
@@ -88,6 +95,7 @@ def request_from_args(args: argparse.Namespace):
     from memkit.spec.generic import task_spec
     from memkit.spec.hf import load_model_spec
 
+    data = resolve_seq_len(args)
     knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan/plan.py's knobs
     task = TrainingPlan(**{name: knobs[name] for name in TASK_FIELDS}).validate()
     model = task_spec(load_model_spec(args.model), task)  # the task's head and lengths (spec/generic.py)
@@ -95,11 +103,40 @@ def request_from_args(args: argparse.Namespace):
     knobs.update(lora_targets=lora_targets(args.lora_targets, model) if args.lora_rank else TrainingPlan().lora_targets,
                  optimizer_in_backward=bool(args.optimizer_in_backward), double_quant=not args.no_double_quant,
                  tp=parse_degree(args.tp, "--tp"), pp=parse_degree(args.pp, "--pp"))
-    return Request(
+    request = Request(
         model=model, hardware=hardware, global_batch_size=args.global_batch_size,
         headroom=parse_headroom(args.headroom), objective=args.objective,
         allow_offload=not args.no_offload, nvme_path=args.nvme_path, max_micro_batch=args.max_micro_batch,
         allow=parse_allow(args.allow), split="auto", **knobs).validate()
+    args.data_lengths = data
+    return request
+
+
+def resolve_seq_len(args: argparse.Namespace):
+    """args.seq_len when given; else from --data (seq_len_for_lengths, the rule `memkit run
+    --seq-len from-data` applies), else the knob's default. Returns (lengths, kind, tokenizer
+    line) of --data, or None without it."""
+    if getattr(args, "data", None) is None:
+        if args.seq_len is None:
+            args.seq_len = TrainingPlan().seq_len
+        return None
+    from memkit.spec.hf import load_model_spec
+    from memkit.train.data import example_lengths_and_kind, seq_len_for_lengths
+    from memkit.train.tokenizer import has_tokenizer, load_tokenizer
+
+    folder = Path(args.model).expanduser()
+    folder = folder if folder.is_dir() else folder.parent if folder.is_file() else None
+    spec = load_model_spec(args.model)
+    tokenizer = load_tokenizer(folder if folder is not None and has_tokenizer(folder) else None,
+                               vocab_size=spec.vocab_size)
+    lengths, kind = example_lengths_and_kind(args.data, tokenizer)
+    by = ("the model folder's tokenizer" if folder is not None and has_tokenizer(folder) else
+          "memkit's byte tokenizer (no tokenizer at --model: lengths are bytes, longer than a real "
+          "tokenizer's; pass a model folder with its tokenizer)")
+    line = None
+    if args.seq_len is None:
+        args.seq_len, line = seq_len_for_lengths(lengths, kind, max_positions=spec.max_position_embeddings)
+    return {"lengths": lengths, "kind": kind, "tokenized_by": by, "seq_len_line": line}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,16 +191,63 @@ def run(args: argparse.Namespace) -> int:
         os.replace(plot_tmp, args.plot)
         written.append(args.plot)
     doc["search"]["seconds"] = round(elapsed, 4)  # shown, not written: plan.json stays reproducible
+    data = data_report(args, result.chosen.plan) if getattr(args, "data_lengths", None) else None
     if args.json:
         out = dict(doc)
         out["written"] = written
+        if data is not None:
+            out["data"] = data
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(render_document(doc, out_dir=out_dir))
+    if data is not None:
+        print("\n" + render_data(data))
     if written:
         print("\nwrote " + ", ".join(written))
     return 0
+
+
+def data_report(args: argparse.Namespace, plan: TrainingPlan) -> dict:
+    """What the chosen plan's micro-batch computes on --data: the share of padding when each batch is
+    padded to its longest example (HF DataCollatorWithPadding after a RandomSampler;
+    estimate/varlen.py step_lengths), to --seq-len, and when whole examples are packed into rows
+    of --seq-len as `memkit train` does (train/data.py packed_row_groups; a text stream is packed
+    across documents, so only its last row is short)."""
+    from memkit.estimate.varlen import padding_waste, step_lengths
+    from memkit.train.data import packed_row_groups
+
+    info, seq_len, micro = args.data_lengths, plan.seq_len, plan.micro_batch_size
+    lengths = info["lengths"]
+    capped = [min(n, seq_len) for n in lengths]
+    waste = {padding: padding_waste(lengths, step_lengths(lengths, micro_batch=micro, seq_len=seq_len,
+                                                          padding=padding), micro_batch=micro, seq_len=seq_len)
+             for padding in ("longest", "seq-len")}
+    rows = (-(-sum(capped) // seq_len) if info["kind"] == "text" else len(packed_row_groups(capped, seq_len)))
+    waste["packed"] = max(0.0, 1 - sum(capped) / (rows * seq_len))
+    ordered = sorted(lengths)
+    return {"source": args.data, "kind": info["kind"], "examples": len(lengths), "longest": ordered[-1],
+            "median": ordered[len(ordered) // 2], "tokenized_by": info["tokenized_by"], "seq_len": seq_len,
+            "seq_len_from_data": info["seq_len_line"], "longer_than_seq_len": sum(n > seq_len for n in lengths),
+            "micro_batch_size": micro, "packed_rows": rows,
+            "padding_share": {k: round(v, 4) for k, v in waste.items()}}
+
+
+def render_data(d: dict) -> str:
+    share = d["padding_share"]
+    lines = [f"data: {d['examples']:,} {d['kind']} examples in {d['source']}, median {d['median']:,} and longest "
+             f"{d['longest']:,} tokens, tokenized by {d['tokenized_by']}"]
+    if d["seq_len_from_data"]:
+        lines.append(d["seq_len_from_data"])
+    if d["longer_than_seq_len"]:
+        lines.append(f"{d['longer_than_seq_len']:,} example(s) are longer than --seq-len {d['seq_len']:,}: "
+                     "memkit train refuses them unless --truncate")
+    lines.append(f"padding at micro-batch {d['micro_batch_size']}: each batch to its longest example "
+                 f"{share['longest']:.0%} of the computed tokens, to --seq-len {share['seq-len']:.0%}; packed "
+                 f"into {d['packed_rows']:,} rows of {d['seq_len']:,} (memkit train's default) {share['packed']:.0%}")
+    lines.append("the plan is priced at full rows of --seq-len (packed, or the longest batch padded); "
+                 "`memkit estimate --data` replays the variable-length steps through the allocator")
+    return "\n".join(lines)
 
 
 def _stack_estimator(text: str):

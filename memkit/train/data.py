@@ -217,16 +217,21 @@ default --seq-len (memkit/cli/suggest.py)."""
 
 
 def seq_len_from_data(source: str, tokenizer, *, max_positions: int | None) -> tuple[int, str]:
-    """(--seq-len, the line that says where it came from): the longest tokenized example (prompt +
-    answer, or a conversation, with its EOS) rounded up to SEQ_LEN_MULTIPLE, so that no example is
-    refused or cut; at most max_position_embeddings (then the longer ones need --truncate). Text
-    documents: the same, at most TEXT_SEQ_LEN_CAP (a stream is packed across documents anyway)."""
-    import math
-
+    """(--seq-len, the line that says where it came from) for the records of `source`, tokenized as
+    the runner does (seq_len_for_lengths)."""
     if _is_synthetic(source):
         raise MemkitError(f"--seq-len from-data: --data {source} is synthetic and has no lengths; pass --seq-len N")
-    kind, records = read_records(source)
-    lengths = sorted(len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}"))
+    return seq_len_for_lengths(*example_lengths_and_kind(source, tokenizer), max_positions=max_positions)
+
+
+def seq_len_for_lengths(lengths: list[int], kind: str, *, max_positions: int | None) -> tuple[int, str]:
+    """(--seq-len, why): the longest tokenized example (prompt + answer, or a conversation, with its
+    EOS) rounded up to SEQ_LEN_MULTIPLE, so that no example is refused or cut; at most
+    max_position_embeddings (then the longer ones need --truncate). Text documents: the same, at
+    most TEXT_SEQ_LEN_CAP (a stream is packed across documents anyway). `kind`: read_records'."""
+    import math
+
+    lengths = sorted(lengths)
     longest, p99 = lengths[-1], lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
     seq_len = math.ceil(longest / SEQ_LEN_MULTIPLE) * SEQ_LEN_MULTIPLE
     why = f"the longest of {len(lengths):,} {kind} records is {longest:,} tokens (p99 {p99:,}), rounded up " \
@@ -267,10 +272,15 @@ def example_lengths(source: str, tokenizer) -> list[int]:
     """Tokens per example of `source` as the runner tokenizes it (_examples: text documents with
     their EOS, prompt + completion / alpaca + EOS, chat rendered by its template), in file order:
     the length histogram `memkit estimate --data` prices (memkit/estimate/varlen.py)."""
+    return example_lengths_and_kind(source, tokenizer)[0]
+
+
+def example_lengths_and_kind(source: str, tokenizer) -> tuple[list[int], str]:
+    """example_lengths and the records' kind (read_records')."""
     if _is_synthetic(source):
         raise MemkitError(f"--data {source}: synthetic data has no lengths of its own; pass a file, or --lengths")
     kind, records = read_records(source)
-    return [len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}")]
+    return [len(ids) for ids, _ in _examples(kind, records, tokenizer, what=f"--data {source}")], kind
 
 
 def _examples(kind: str, records: list[dict], tokenizer, *, what: str) -> list[tuple[list[int], list[int]]]:
@@ -358,24 +368,32 @@ def _rows(rows, *, kind: str, pad: int, seq_len: int, source: str, num_documents
                           [list(p) + list(range(seq_len - len(p))) for p in positions], dtype=torch.long))
 
 
+def packed_row_groups(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Greedy in-order packing of whole examples (none is split across sequences): the indices of
+    the examples each sequence holds. A row closes when the next example would overflow it (an
+    example longer than seq_len gets a row of its own; the caller refuses or truncates it)."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups and groups[-1] and used + n > seq_len:
+            groups.append([])
+            used = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(i)
+        used += n
+    return groups or [[]]
+
+
 def _pack_examples(examples, *, kind: str, pad: int, seq_len: int, source: str, isolate: bool = False) -> PackedData:
-    """Greedy in-order packing of whole examples (none is split across sequences); isolate=True:
-    each example's positions start at 0 (PackedData.position_ids)."""
+    """packed_row_groups' rows; isolate=True: each example's positions start at 0
+    (PackedData.position_ids)."""
+    examples = list(examples)
     rows: list[tuple[list[int], list[int]]] = []
     positions: list[list[int]] = []
-    cur_ids: list[int] = []
-    cur_labels: list[int] = []
-    cur_pos: list[int] = []
-    for ids, labels in examples:
-        if cur_ids and len(cur_ids) + len(ids) > seq_len:
-            rows.append((cur_ids, cur_labels))
-            positions.append(cur_pos)
-            cur_ids, cur_labels, cur_pos = [], [], []
-        cur_ids = cur_ids + list(ids)
-        cur_labels = cur_labels + list(labels)
-        cur_pos = cur_pos + list(range(len(ids)))
-    rows.append((cur_ids, cur_labels))
-    positions.append(cur_pos)
+    for group in packed_row_groups([len(ids) for ids, _ in examples], seq_len):
+        rows.append(([t for i in group for t in examples[i][0]], [t for i in group for t in examples[i][1]]))
+        positions.append([p for i in group for p in range(len(examples[i][0]))])
     return _rows(rows, kind=kind, pad=pad, seq_len=seq_len, source=source, num_documents=len(examples),
                  positions=positions if isolate else None)
 
