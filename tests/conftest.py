@@ -21,6 +21,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+class _LongFilesFirst:
+    """Files with e2e tests first, then files with other `slow` tests, then the rest; each file's
+    tests stay together and in their order. pyproject's addopts pass --no-loadscope-reorder, so
+    pytest-xdist's --dist loadfile hands files out in this order (its default orders files by test
+    count, which puts the e2e files, a few tests of 20-60 s launches each, last:
+    xdist/scheduler/loadscope.py, LoadScopeScheduling.schedule): the launches start at once on
+    both workers and the many short unit files fill the end, so neither worker idles while the
+    other finishes one long file."""
+
+    @pytest.hookimpl(trylast=True)  # after the markers above and -m / -k deselection
+    def pytest_collection_modifyitems(self, items):
+        rank: dict[str, int] = {}
+        for item in items:
+            here = 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("slow") else 2
+            rank[item.nodeid.split("::")[0]] = min(here, rank.get(item.nodeid.split("::")[0], 2))
+        items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: file order kept within a rank
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongFilesFirst(), "memkit-long-files-first")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_cpu_ops(request):
     """Build DeepSpeed's CPU ops once, before the first e2e test, outside every timed launch
