@@ -13,12 +13,43 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Every e2e test (a real multi-process run) is also `slow`: `pytest -m "not slow"` is the
-    inner loop, the full suite (.ci/run) runs everything."""
+    inner loop, the full suite (.ci/run) runs everything.
+
+    Each file is one xdist_group (pyproject: --dist loadgroup), so a file's tests run on one
+    worker and its module-scoped fixtures (one launched run shared by the assertions that read
+    it) run once, as under --dist loadfile; a file that sets SPREAD_OVER_WORKERS = True (tests
+    that share nothing costly, e.g. one `memkit suggest` each) has its tests handed out one by
+    one, so both workers share it."""
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        if not getattr(getattr(item, "module", None), "SPREAD_OVER_WORKERS", False):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+class _LongFilesFirst:
+    """Files with e2e tests first, then files with other `slow` tests, then the rest; each file's
+    tests stay together and in their order. pyproject's addopts pass --no-loadscope-reorder, so
+    pytest-xdist hands the groups out in this order (its default orders them by test count, which
+    puts the e2e files, a few tests of 20-60 s launches each, last:
+    xdist/scheduler/loadscope.py, LoadScopeScheduling.schedule): the launches start at once on
+    both workers and the many short unit files fill the end, so neither worker idles while the
+    other finishes one long file."""
+
+    @pytest.hookimpl(trylast=True)  # after the markers above and -m / -k deselection
+    def pytest_collection_modifyitems(self, items):
+        rank: dict[str, int] = {}
+        for item in items:
+            here = 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("slow") else 2
+            rank[item.nodeid.split("::")[0]] = min(here, rank.get(item.nodeid.split("::")[0], 2))
+        items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: file order kept within a rank
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongFilesFirst(), "memkit-long-files-first")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,4 +89,5 @@ def pytest_runtest_protocol(item, nextitem):
     before = _cpu_s()
     yield
     with open(CPU_REPORT, "a") as handle:
-        handle.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_s() - before, 2)}) + "\n")
+        name = item.nodeid.removesuffix("@" + item.nodeid.split("::")[0])  # less the xdist_group suffix
+        handle.write(json.dumps({"test": name, "cpu_s": round(_cpu_s() - before, 2)}) + "\n")

@@ -257,12 +257,16 @@ def _versions() -> dict:
 
     out = {"memkit": getattr(memkit, "__version__", "?"), "torch": torch.__version__,
            "transformers": transformers.__version__, "accelerate": accelerate.__version__}
-    try:
-        import deepspeed
-
-        out["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        pass
+    if "deepspeed" in sys.modules:  # a DeepSpeed run imported it already
+        out["deepspeed"] = sys.modules["deepspeed"].__version__
+    else:  # a run without DeepSpeed need not import it (~0.6 CPU s a rank, measured) to name its version:
+        # deepspeed/__init__.py's __version__ is git_version_info_installed.version, the version_str
+        # microsoft/DeepSpeed setup.py writes there and installs the package as (setup(version=...)).
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            out["deepspeed"] = version("deepspeed")
+        except PackageNotFoundError:
+            pass
     return out
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from runner_util import free_port
+
 from memkit.plan.plan import TrainingPlan
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +39,8 @@ def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds")
     (tmp / "cfg.json").write_text(json.dumps(MODEL_CONFIG))
     (tmp / "plan.json").write_text(json.dumps(PLAN.to_dict()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+    # a free port: a fixed one collides with any other run of the suite on this host
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "memkit.calibrate.deepspeed_step", "--model-config", str(tmp / "cfg.json"),
            "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"), "--steps", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from memkit.train.checkpoint import EXIT_CHECKPOINT_WRITE
 
 SCRIPT = textwrap.dedent("""
@@ -34,6 +36,7 @@ def _save(out) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", SCRIPT, str(out)], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a real one-process Accelerator, model and save: 22.6 CPU s measured
 def test_final_model_onto_a_read_only_folder_is_one_line_and_a_nonzero_exit(tmp_path):
     from tmpfs_util import remount_read_only, tmpfs
 

@@ -22,6 +22,9 @@ PLANS = presets_dir() / "plans"
 NAMES = sorted(p.name for p in PLANS.iterdir()) if PLANS.is_dir() else []
 REQUESTS = {r.name: r for r in (PresetRequest(m, g, n, s, lora) for m in MODELS for g in GPUS.values()
                                  for n in COUNTS for s in SEQ_LENS for lora in (False, True))}
+SPREAD_OVER_WORKERS = True
+"""The rows share nothing costly (one `memkit suggest` each, ~2.5 CPU s, 134 rows: the suite's
+longest unit file), so pytest-xdist hands them to both workers one by one (tests/conftest.py)."""
 
 
 def test_every_preset_names_a_request():

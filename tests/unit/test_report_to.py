@@ -38,6 +38,7 @@ def test_a_missing_logger_package_is_one_line_before_the_run(name, tmp_path):
     assert not (tmp_path / "out" / "log.jsonl").exists()
 
 
+@pytest.mark.slow  # a real run (the inner loop keeps the one-line checks above)
 @pytest.mark.parametrize("name", [n for n in LOGGERS if importlib.util.find_spec(n) is not None] or
                          [pytest.param("wandb", marks=pytest.mark.skip(reason="neither wandb nor mlflow installed"))])
 def test_installed_logger_gets_the_step_metrics(name, tmp_path):
@@ -53,6 +54,7 @@ def test_installed_logger_gets_the_step_metrics(name, tmp_path):
         assert len(runs) == 1 and runs["metrics.train/loss"].notna().all()
 
 
+@pytest.mark.slow  # a real 2-step run: 13.3 CPU s measured
 def test_tensorboard_is_the_default_and_gets_the_loss(tmp_path):
     run = _finetune(tmp_path, "tensorboard")
     assert run.returncode == 0, run.stderr[-3000:]
