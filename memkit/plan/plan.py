@@ -100,7 +100,7 @@ _OIB_HELP = ("step each parameter in its gradient hook (one gradient alive); nee
              "wants --gradient-clipping 0)")
 _OFFLOAD_ACT_HELP = "cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)"
 _DQ_HELP = "with --quantize-base: keep the block scales in fp32 (default: double quantisation)"
-_CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py)"
+_CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/plan/techniques.py)"
 _LOSS_PATH_HELP = ("who computes the loss on the logits: hf (default: the model with labels, HF Trainer's path "
                    "for your transformers version), ce-16bit (your own cross_entropy on 16-bit logits), upcast "
                    "(your code or model upcasts the logits to fp32 and the loop holds them through backward); "
@@ -213,7 +213,7 @@ class TrainingPlan:
     Tape.lora_linear(dropout=...))."""
     quantize_base: QuantizeBase = knob("none", cli={
         "estimate": "none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; needs "
-                    "--lora-rank; memkit/quantize.py)",
+                    "--lora-rank; memkit/plan/quantize.py)",
         "pin": {"lists_after": "loss",
                 "help": "with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit base "
                         "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)"},
