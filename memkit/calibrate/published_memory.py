@@ -291,7 +291,7 @@ def _skip_reason(record: dict) -> str:
         # memkit/plan/quantize.py prices a 4-bit base only whole on every rank (plain PyTorch / DDP).
         how = f"DeepSpeed ZeRO-{record['zero_stage']}" if record.get("zero_stage") is not None else record["fsdp"]
         return (f"QLoRA with 4-bit weights in bf16 storage (bnb_4bit_quant_storage) sharded by {how}: memkit "
-                "prices 4-bit bases only unsharded, on plain PyTorch / DDP (memkit/quantize.py)")
+                "prices 4-bit bases only unsharded, on plain PyTorch / DDP (memkit/plan/quantize.py)")
     return ""
 
 

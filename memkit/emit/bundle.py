@@ -271,7 +271,7 @@ def readme(document: dict, *, out_dir: str) -> str:
                      f"targets {', '.join(plan['lora_targets'])} |")
     if plan.get("quantize_base", "none") != "none":
         lines.append(f"| 4-bit base | {plan['quantize_base']}, double quant "
-                     f"{'on' if plan.get('double_quant', True) else 'off'} (bitsandbytes; memkit/quantize.py) |")
+                     f"{'on' if plan.get('double_quant', True) else 'off'} (bitsandbytes; memkit/plan/quantize.py) |")
     lines += [
         f"| predicted peak per GPU | {est['nvidia_smi_peak_bytes'] / GIB:.1f} GiB as nvidia-smi shows it "
         f"({est['reserved_peak_bytes'] / GIB:.1f} reserved, {est['allocated_peak_bytes'] / GIB:.1f} allocated) "

@@ -19,15 +19,9 @@ import json
 from dataclasses import dataclass, field
 
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
-from memkit.plan.plan import DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan, trainer_knobs
+from memkit.plan.plan import (DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan, trainer_flags,
+                              trainer_knobs)
 
-HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
-            "adafactor": "adafactor", "sgd": "sgd"}
-"""TrainingArguments.optim for each plan optimizer (transformers training_args.py, OptimizerNames).
-adamw_bnb_8bit is bitsandbytes' 8-bit AdamW and `adafactor` is transformers' Adafactor with
-scale_parameter=False, relative_step=False (transformers trainer_optimizer.py): the optimizers
-memkit prices and its runner builds (memkit/train/loop.py). Under DeepSpeed, adamw and sgd are
-built from ds_config.json's optimizer block and --optim is not used."""
 PEFT_CONFIG_FILE = "adapter_config.json"
 """The file name peft's LoraConfig.from_pretrained(folder) reads (peft/utils/constants.py, CONFIG_NAME)."""
 
@@ -67,8 +61,9 @@ class TrainerRecipe:
 def trainer_arguments(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> dict:
     """The transformers TrainingArguments that agree with `deepspeed_config(plan)` and carry the
     model settings it cannot (checkpointing, optimizer when DeepSpeed does not build it). The
-    knobs Trainer takes as they are (batch, accumulation, clipping) are those memkit/plan/plan.py
-    declares with `trainer=`; the rest are derived here."""
+    knobs Trainer takes as they are (batch, accumulation, clipping) and the flags their values set
+    (precision, optim, checkpointing, liger) are declared with the knobs in memkit/plan/plan.py
+    (`trainer=`: trainer_knobs, trainer_flags); the optimizer's constants are ds_config.json's."""
     args = {
         **trainer_knobs(plan),
         "learning_rate": lr,
@@ -76,15 +71,8 @@ def trainer_arguments(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_deca
         "adam_beta1": ADAM_BETAS[0],
         "adam_beta2": ADAM_BETAS[1],
         "adam_epsilon": ADAM_EPS,
-        "bf16": plan.precision in ("bf16", "bf16-pure"),
-        "fp16": plan.precision == "fp16",
-        "optim": HF_OPTIM[plan.optimizer],
-        "gradient_checkpointing": plan.checkpointing == "full",
+        **trainer_flags(plan),
     }
-    if plan.loss == "fused":
-        # Trainer applies liger-kernel's patches, fused linear cross-entropy included
-        # (transformers training_args.py use_liger_kernel; liger_kernel.transformers).
-        args["use_liger_kernel"] = True
     if plan.checkpointing == "full":
         # Non-reentrant, as memkit's runner does (memkit/train/model.py, apply_plan).
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}

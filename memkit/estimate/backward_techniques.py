@@ -1,7 +1,7 @@
 """Bytes and time of activation offload and of the optimizer in backward
 (rules: memkit/plan/backward_techniques.py).
 
-Activation offload (`--offload-activations cpu`, memkit/train/act_offload.py):
+Activation offload (`--offload-activations cpu`, memkit/train/backward_techniques.py):
 - Moved to host RAM per micro-batch: every distinct storage the forward saves for backward that
   is not a parameter -- the blocks' saved activations (or, for checkpointed blocks, their inputs,
   which torch's non-reentrant checkpoint saves through the hooks), under autocast the 16-bit

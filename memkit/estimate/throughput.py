@@ -5,7 +5,9 @@ plan gives each GPU (memkit/estimate/kernels.py: matmuls at the achievable rate 
 generation and dtype, attention kernels at their published utilisation, elementwise ops as HBM
 traffic); communication from the mechanism each engine and ZeRO stage uses (DeepSpeed 0.19
 runtime/zero/stage_1_and_2.py and stage3.py, torch DDP / FSDP); nothing is fitted to the
-throughput benchmark (benchmarks/throughput_accuracy.py measures it).
+throughput benchmark (benchmarks/throughput_accuracy.py measures it). What each technique adds
+(recompute, offload traffic, the optimizer step, the pipeline) is a StepTechnique of
+estimate/step_terms.py, which estimate_step_time walks.
 
 Per GPU and per optimizer step (m = grad_accum micro-steps):
 
@@ -17,18 +19,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from memkit.estimate import kernels
 from memkit.estimate.activations import numerics
-from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
 from memkit.estimate.flops import train_flops_per_token
-from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import Linear, ModelSpec
 from memkit.spec.stack import Stack, behaviour
+
+if TYPE_CHECKING:
+    from memkit.estimate.step_terms import StepContext, StepTerms
 
 # ---- constants (each cites where it comes from) -----------------------------------------------
 
@@ -450,12 +454,12 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
     return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
 
 
-def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
-                   ) -> tuple[_Pass, float]:
-    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch. early_stop: the
-    checkpoint recompute stops after the block's last saved tensor (_output_unsaved); compiled: the
-    run uses torch.compile (_elementwise_pass)."""
+def _layer_passes(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
+                  early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
+                  ) -> tuple[_Pass, float]:
+    """(fwd+bwd of the layers this GPU holds, the forward of every block of the model = what full
+    checkpointing re-runs) for one micro-batch, before any technique adds its terms
+    (estimate/step_terms.py)."""
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
                                    compiled=compiled, fp32_adapters=fp32_adapters)
     total = block.scaled(model.num_layers)
@@ -466,32 +470,45 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, 
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
-    # What backward re-runs (memkit/plan/techniques.py, estimate/techniques.py): the forward of the K
-    # checkpointed blocks; under selective checkpointing only the elementwise ops between the kept
-    # matmul / attention outputs; under the chunked loss the head matmul of each chunk.
-    share = recompute_share(plan, model.total_layers)
-    recompute = fwd_only.fwd_s / plan.pp * share
-    if plan.checkpointing == "selective":
-        num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
-        recompute += (_elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled).fwd_s
-                      * model.total_layers / plan.pp)
-    if plan.loss == "chunked":
-        v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
-        recompute += kernels.gemm_time_s(gpu, plan.precision, tokens, v, model.hidden_size) / plan.pp
-    if _amp_fp32_weights(plan):
-        # autocast re-casts every fp32 weight to 16 bits in each forward (4 B read + 2 B written;
-        # its cast cache lives for one autocast region, so the recompute casts again), and
-        # AccumulateGrad adds each 16-bit weight gradient into the fp32 .grad (2 + 4 read, 4 written).
-        n = matmul_params(model) / (plan.tp * plan.pp)
-        trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
-        cast = kernels.memory_time_s(gpu, 6 * n * (not plan.is_quantized))  # 4-bit bases: no autocast cast
-        total = total + _Pass(cast, kernels.memory_time_s(gpu, 10 * trainable), 0)
-        recompute += cast * share
-    if plan.is_quantized:  # dequantisation and casts of the 4-bit linears (estimate/quantized.py)
-        fwd_b, bwd_b = dequant_traffic_bytes(model, plan, tokens)
-        total = total + _Pass(kernels.memory_time_s(gpu, fwd_b), kernels.memory_time_s(gpu, bwd_b), 0)
-        recompute += kernels.memory_time_s(gpu, fwd_b) * share
-    return total, recompute
+    return total, fwd_only.fwd_s
+
+
+def _step_techniques():
+    """estimate/step_terms.py's STEP_TECHNIQUES. That module prices its terms with this one's kernel
+    passes, so it is imported when first walked, not at this module's import."""
+    from memkit.estimate.step_terms import STEP_TECHNIQUES
+    return STEP_TECHNIQUES
+
+
+def _compute_terms(c: "StepContext", t: "StepTerms", **switches) -> None:
+    """One micro-batch's compute on `t` (estimate/step_terms.py StepTerms): the techniques' switches
+    (`switches` -- early_stop, fp32_adapters -- replace theirs), the layer passes, then what each
+    technique adds to the compute and the recompute."""
+    techniques = _step_techniques()
+    for technique in techniques:
+        technique.setup(c, t)
+    for name, value in switches.items():
+        setattr(t, name, value)
+    t.compute, t.fwd_only_s = _layer_passes(c.gpu, c.plan, c.model, c.tokens, early_stop=t.early_stop,
+                                            compiled=c.compiled, fp32_adapters=t.fp32_adapters)
+    for technique in techniques:
+        technique.compute(c, t)
+
+
+def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
+                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
+                   ) -> tuple[_Pass, float]:
+    """(fwd+bwd of the layers this GPU holds, recompute time) for one micro-batch, with the plan's
+    techniques' terms (_compute_terms). early_stop: the checkpoint recompute stops after the
+    block's last saved tensor (_output_unsaved); compiled: the run uses torch.compile
+    (_elementwise_pass); fp32_adapters: LoRA adapters in fp32 (peft_fp32_adapters)."""
+    from memkit.estimate.step_terms import StepContext, StepTerms
+
+    c = StepContext(model=model, plan=plan, hardware=Hardware(gpu=gpu), gpu=gpu, how=behaviour(None),
+                    tokens=tokens, compiled=compiled)
+    t = StepTerms()
+    _compute_terms(c, t, early_stop=early_stop, fp32_adapters=fp32_adapters)
+    return t.compute, t.recompute_s
 
 
 # ---- communication ----------------------------------------------------------------------------
@@ -569,7 +586,7 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     shard = plan.tp * plan.pp
     layers = model.total_layers / plan.pp
     n_local = model.num_params / shard
-    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
+    trainable = _trainable_per_gpu(model, plan)
     e = _grad_bytes(plan)
     grads, params = trainable * (reduce_itemsize or e), n_local * e
     # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
@@ -645,36 +662,10 @@ def activation_offload_exposed_s(moved_s: float, *, fwd_s: float, bwd_s: float) 
     return max(0.0, half - fwd_s) + max(0.0, half - bwd_s)
 
 
-def _offload(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, bwd_s: float, *, fwd_s: float = 0.0,
-             offload_streams: bool = False) -> _Comm:
-    """ZeRO-Offload (Ren et al. 2021, Sec. 4): 16-bit grads GPU->CPU during backward, CPU-Adam on the
-    host, updated 16-bit params back after the step; ZeRO-3 param offload crosses PCIe twice."""
-    gpu = hardware.gpu
-    pcie = gpu.pcie_gbps * GB
-    shard = plan.tp * plan.pp
-    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else model.num_params) / shard
-    partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
-    e = 4 if plan.precision == "fp32" else 2
-    micro = step = 0.0
-    per_node = hardware.num_gpus_per_node
-    if plan.offload_optimizer != "none":
-        micro += max(0.0, partition * e / pcie - bwd_s)     # grad copies overlap backward
-        step += partition * e / pcie                          # params back, after the CPU step
-        step += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
-        if plan.offload_optimizer == "nvme":
-            step += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
-    if plan.offload_activations != "none":
-        moved = activation_offload_transfer_s(model, plan, gpu.pcie_gbps)
-        if offload_streams:
-            micro += activation_offload_exposed_s(moved, fwd_s=fwd_s, bwd_s=bwd_s)
-        else:   # memkit's runner copies on the compute stream (train/backward_techniques.py)
-            micro += moved
-    if plan.offload_params != "none":
-        p_part = model.num_params / shard / plan.dp * e
-        micro += 2 * p_part / pcie
-        if plan.offload_params == "nvme":
-            micro += 2 * p_part / (NVME_GBPS_PER_NODE * GB / per_node)
-    return _Comm(micro_s=micro, boundary_s=step)
+def _trainable_per_gpu(model: ModelSpec, plan: TrainingPlan) -> float:
+    """Trainable parameters one GPU of a tp x pp model shard holds (the adapters alone under LoRA)."""
+    return (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
+            else model.num_params) / (plan.tp * plan.pp)
 
 
 def zero12_grad_handling(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tuple[float, int]:
@@ -686,8 +677,7 @@ def zero12_grad_handling(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tupl
     (0, 0) for other engines and stages or with contiguous_gradients off."""
     if plan.engine != "deepspeed" or plan.zero_stage not in (1, 2) or not plan.contiguous_gradients:
         return 0.0, 0
-    trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
-                 else model.num_params) / (plan.tp * plan.pp)
+    trainable = _trainable_per_gpu(model, plan)
     e = _grad_bytes(plan)
     copy_s = kernels.memory_time_s(gpu, 2 * e * trainable + 2 * e * trainable / plan.dp)
     return copy_s, _param_tensors(model, plan) * ZERO12_OPS_PER_GRAD
@@ -736,18 +726,19 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py)."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
+    from memkit.estimate.step_terms import StepContext, StepTerms
+
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
-    # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
-    # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
-    how = behaviour(stack)
-    early_stop = how.checkpoint_early_stop and not (hf_checkpointing and how.hf_checkpoint_reentrant)
-    passes, t_recompute = _micro_compute(gpu, plan, model, tokens, early_stop=early_stop, compiled=compiled,
-                                         fp32_adapters=peft_fp32_adapters(plan, lora_adapter_dtype))
-    t_fwd, t_bwd = passes.fwd_s, passes.bwd_s
+    c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
+                    compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
+                    lora_adapter_dtype=lora_adapter_dtype)
+    t = StepTerms()
+    _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
+    t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s
     t_gpu = t_fwd + t_bwd + t_recompute
-    ops = int(passes.num_ops * (3 + recompute_share(plan, model.total_layers)) / 3)
+    ops = int(t.compute.num_ops * (3 + t.recompute_share) / 3)
     # ZeRO-2 handles every gradient in each micro-step's backward, ZeRO-1 once at the boundary
     # (zero12_grad_handling): on the compute stream, and its ops are host work like any other.
     grad_copy_s, grad_ops = zero12_grad_handling(plan, model, gpu)
@@ -760,29 +751,25 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
                   backward_prefetch=backward_prefetch)
-    off = _offload(plan, model, hardware, t_bwd + t_recompute, fwd_s=t_fwd, offload_streams=offload_streams)
-
+    for technique in _step_techniques():   # offload traffic, the optimizer step, the pipeline
+        technique.exposed(c, t)
     t_tp = _tp_comm_s(plan, model, hardware, tokens)
-
-    t_pp, bubble = _pp_comm(plan, model, hardware, tokens)
-
     t_zero3 = _zero3_overhead_s(plan, model, stack)
     host_excess = max(0.0, t_host - t_gpu)
-    micro = t_gpu + host_excess + t_zero3 + dp.micro_s + off.micro_s + t_tp + t_pp
+    micro = t_gpu + host_excess + t_zero3 + dp.micro_s + t.offload_micro_s + t_tp + t.pp_comm_s
 
-    t_opt = _optimizer_step_s(plan, model, gpu, stack)
-
-    step = micro * m * bubble + dp.boundary_s + off.boundary_s + boundary_copy_s + t_opt + STEP_OVERHEAD_S
+    step = (micro * m * t.bubble + dp.boundary_s + t.offload_boundary_s + boundary_copy_s + t.optimizer_s
+            + STEP_OVERHEAD_S)
     components = {
         "compute": (t_fwd + t_bwd) * m,
         "recompute": t_recompute * m,
-        "pipeline_bubble": micro * m * (bubble - 1.0),
+        "pipeline_bubble": micro * m * (t.bubble - 1.0),
         "dp_comm": dp.micro_s * m + dp.boundary_s,
         "zero_grad_copies": micro_copy_s * m + boundary_copy_s,
         "tp_comm": t_tp * m,
-        "pp_comm": t_pp * m,
-        "offload_transfer": off.micro_s * m + off.boundary_s,
-        "optimizer_step": t_opt,
+        "pp_comm": t.pp_comm_s * m,
+        "offload_transfer": t.offload_micro_s * m + t.offload_boundary_s,
+        "optimizer_step": t.optimizer_s,
         "host_overhead": (host_excess + t_zero3) * m + STEP_OVERHEAD_S,
     }
     return _with_flops(model, plan, gpu, step=step, t_gpu=t_gpu, tokens=tokens, components=components)
@@ -802,18 +789,6 @@ def _tp_comm_s(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens:
     return model.total_layers / plan.pp * per_block * _ring_time_s(act, plan.tp, tp_link, allreduce=True)
 
 
-def _pp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens: int) -> tuple[float, float]:
-    """(seconds per micro-step of stage-boundary transfers, the bubble's stretch of the step)."""
-    # Pipeline: activations forward and their gradients backward at each stage boundary; the
-    # 1F1B / GPipe bubble idles (p-1)/(m+p-1) of the time (Narayanan et al. 2021, Sec. 2.2).
-    if plan.pp <= 1:
-        return 0.0, 1.0
-    act = tokens * model.hidden_size * _elt(plan)
-    pp_bw = hardware.gpu.intra_node_gbps if hardware.num_nodes == 1 else hardware.inter_node_gbps
-    m = plan.grad_accum
-    return 2 * act / (pp_bw * GB), (m + plan.pp - 1) / m
-
-
 def _zero3_overhead_s(plan: TrainingPlan, model: ModelSpec, stack: Stack | None) -> float:
     """Host seconds per micro-step DeepSpeed ZeRO-3 spends fetching and releasing parameters."""
     t_zero3 = 0.0
@@ -823,28 +798,6 @@ def _zero3_overhead_s(plan: TrainingPlan, model: ModelSpec, stack: Stack | None)
             per_pass = _param_tensors(model, replace(plan, lora_rank=0))   # every param is fetched, frozen too
             t_zero3 += 2 * per_pass * ZERO3_DEBUG_CALLS_PER_PARAM * OP_DISPATCH_S
     return t_zero3
-
-
-def _optimizer_step_s(plan: TrainingPlan, model: ModelSpec, gpu, stack: Stack | None) -> float:
-    """Seconds of the optimizer step on the GPU (0 when the optimizer is offloaded)."""
-    t_opt = 0.0
-    if plan.offload_optimizer == "none":
-        trainable = (model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora
-                     else model.num_params) / (plan.tp * plan.pp)
-        partition = trainable / (plan.dp if plan.zero_stage >= 1 else 1)
-        bytes_per_param = GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer]
-        ops_per_tensor = OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
-        looped = (plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER
-                  and not behaviour(stack).foreach_optimizer)
-        if looped:
-            ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
-        t_opt = kernels.memory_time_s(gpu, partition * bytes_per_param)
-        if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
-            t_opt = max(t_opt, _param_tensors(model, plan) * ops_per_tensor * OP_DISPATCH_S)
-        if plan.optimizer_in_backward:  # one step() per tensor, inside backward
-            t_opt = max(t_opt, _param_tensors(model, plan) * IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
-                        * OP_DISPATCH_S)
-    return t_opt
 
 
 def _with_flops(model: ModelSpec, plan: TrainingPlan, gpu, *, step: float, t_gpu: float, tokens: int,

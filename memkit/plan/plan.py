@@ -58,6 +58,13 @@ even 128 tokens is 8M tokens per GPU per step, beyond any device's memory for a 
 MAX_SEQ_LEN = 2**24
 """16M tokens: longer than any released model's context window."""
 DEFAULT_SEQ_LEN = 2048
+HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit",
+            "adafactor": "adafactor", "sgd": "sgd"}
+"""TrainingArguments.optim for each plan optimizer (transformers training_args.py, OptimizerNames).
+adamw_bnb_8bit is bitsandbytes' 8-bit AdamW and `adafactor` is transformers' Adafactor with
+scale_parameter=False, relative_step=False (transformers trainer_optimizer.py): the optimizers
+memkit prices and its runner builds (memkit/train/loop.py). Under DeepSpeed, adamw and sgd are
+built from ds_config.json's optimizer block and --optim is not used."""
 DEFAULT_LR = 2e-5
 """Peak LR for full fine-tuning with AdamW, the one default (plan.json's trainer_arguments,
 ds_config.json, the Trainer recipe, the runner): Alpaca's full fine-tune of LLaMA 7B used 2e-5
@@ -83,13 +90,15 @@ command differs, "choices" (None: a plain typed value) and "flag"; a "pin" spec 
 
 def knob(default, *, cli: dict | None = None, range: tuple | None = None, flag: str | None = None,  # noqa: A002
          parse=None, negated: bool = False, choice_error: str | None = None, estimate_default=MISSING,
-         trainer: str | None = None):
+         trainer: str | dict | None = None):
     """A TrainingPlan field with its flag metadata. cli: command -> help text (None: no help);
     range: (lowest, highest, what it is); flag: the option name (default --name-with-dashes);
     parse: argparse type; negated: a True-default bool whose flag turns it off (--no-...);
     choice_error: the message for a value outside the Literal's choices ({value});
     estimate_default: `estimate`'s default when it is not the plan's (None: chosen later);
-    trainer: the transformers TrainingArguments field that takes the value as it is (trainer_knobs)."""
+    trainer: the transformers TrainingArguments field that takes the value as it is (trainer_knobs), or
+    {field: rule} for the fields derived from it (trainer_flags): a tuple rule is the values that set
+    the field True (written always), a dict rule what each value it names writes (written for those only)."""
     meta = {"cli": dict(cli or {}), "range": range, "flag": flag, "parse": parse, "negated": negated,
             "choice_error": choice_error, "estimate_default": estimate_default, "trainer": trainer}
     return field(default=default, metadata=meta)
@@ -100,7 +109,7 @@ _OIB_HELP = ("step each parameter in its gradient hook (one gradient alive); nee
              "wants --gradient-clipping 0)")
 _OFFLOAD_ACT_HELP = "cpu: saved activations to pinned host RAM in forward, back in backward (PCIe time)"
 _DQ_HELP = "with --quantize-base: keep the block scales in fp32 (default: double quantisation)"
-_CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/techniques.py)"
+_CKPT_HELP = "none, full, or K: the first K decoder blocks (memkit/plan/techniques.py)"
 _LOSS_PATH_HELP = ("who computes the loss on the logits: hf (default: the model with labels, HF Trainer's path "
                    "for your transformers version), ce-16bit (your own cross_entropy on 16-bit logits), upcast "
                    "(your code or model upcasts the logits to fp32 and the loop holds them through backward); "
@@ -113,11 +122,13 @@ _TARGET_LEN_HELP = "encoder-decoders (T5, BART): decoder tokens per sequence (de
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingPlan:
     precision: Precision = knob("bf16", cli={"estimate": None, "pin": None, "run": None,
-                                             "launch": {"choices": ("fp32", "bf16", "bf16-pure")}})
+                                             "launch": {"choices": ("fp32", "bf16", "bf16-pure")}},
+                                trainer={"bf16": ("bf16", "bf16-pure"), "fp16": ("fp16",)})
     """fp32; fp16/bf16 = mixed precision with fp32 master weights; bf16-pure = everything in bf16."""
     optimizer: Optimizer = knob("adamw", cli={
         "estimate": None, "run": None,
-        "pin": "default: AdamW; 8-bit AdamW / Adafactor / pure bf16 only if nothing else fits"})
+        "pin": "default: AdamW; 8-bit AdamW / Adafactor / pure bf16 only if nothing else fits"},
+                                 trainer={"optim": HF_OPTIM})
     zero_stage: ZeroStage = knob(0, flag="--zero", cli={"estimate": None, "pin": None,
                                                         "launch": {"flag": "--zero-stage", "choices": None}},
                                  choice_error="--zero {value} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -127,13 +138,17 @@ class TrainingPlan:
     checkpointing: str = knob("none", parse=checkpointing_type, cli={
         "estimate": _CKPT_HELP, "run": "none, full, or K (the first K blocks)",
         "launch": {"choices": ("none", "full")},
-        "pin": "none, full, or K (the first K blocks); default: the planner picks the smallest K that fits"})
+        "pin": "none, full, or K (the first K blocks); default: the planner picks the smallest K that fits"},
+                               trainer={"gradient_checkpointing": ("full",)})
     """'full': HF activation_checkpointing_enable(), one checkpoint per block; 'K' (digits):
     the first K blocks only (memkit/plan/techniques.py says which and why)."""
     loss: Loss = knob("standard", cli={
         "estimate": "standard (full fp32 logits), chunked (memkit's chunked cross-entropy), fused (liger-kernel, "
                     "CUDA only)",
-        "pin": "default: standard, or chunked when the logits keep a plan from fitting", "run": None})
+        "pin": "default: standard, or chunked when the logits keep a plan from fitting", "run": None},
+                     # Trainer applies liger-kernel's patches, fused linear cross-entropy included
+                     # (transformers training_args.py use_liger_kernel; liger_kernel.transformers).
+                     trainer={"use_liger_kernel": {"fused": True}})
     """'standard': HF's full fp32 logits; 'chunked': memkit's chunked cross-entropy; 'fused':
     liger-kernel's fused linear cross-entropy (CUDA only). memkit/plan/techniques.py."""
     loss_path: LossPath = knob("hf", cli={"estimate": _LOSS_PATH_HELP, "workload": _LOSS_PATH_HELP})
@@ -213,7 +228,7 @@ class TrainingPlan:
     Tape.lora_linear(dropout=...))."""
     quantize_base: QuantizeBase = knob("none", cli={
         "estimate": "none, nf4 or fp4: a frozen 4-bit base under the LoRA adapters (QLoRA, bitsandbytes; needs "
-                    "--lora-rank; memkit/quantize.py)",
+                    "--lora-rank; memkit/plan/quantize.py)",
         "pin": {"lists_after": "loss",
                 "help": "with --lora-rank: nf4/fp4 pins a 4-bit base (QLoRA), none refuses it; default: a 16-bit base "
                         "(with --allow qlora: nf4 when every 16-bit-base LoRA plan that fits offloads and QLoRA is faster)"},
@@ -407,7 +422,23 @@ def knob_ranges() -> dict[str, tuple]:
 def trainer_knobs(plan: "TrainingPlan") -> dict:
     """TrainingArguments field -> value of every knob that declares one (`trainer=`), in declaration
     order: the knobs Trainer takes as they are (emit/trainer.py derives the others)."""
-    return {f.metadata["trainer"]: getattr(plan, f.name) for f in fields(plan) if f.metadata.get("trainer")}
+    return {f.metadata["trainer"]: getattr(plan, f.name) for f in fields(plan)
+            if isinstance(f.metadata.get("trainer"), str)}
+
+
+def trainer_flags(plan: "TrainingPlan") -> dict:
+    """TrainingArguments field -> value of every field a knob's value derives (`trainer={field: rule}`),
+    in declaration order (knob's rules: a tuple of the values that set it True, or a dict of what
+    each named value writes)."""
+    out = {}
+    for f in fields(plan):
+        rules, value = f.metadata.get("trainer"), getattr(plan, f.name)
+        for name, rule in (rules.items() if isinstance(rules, dict) else ()):
+            if isinstance(rule, tuple):
+                out[name] = value in rule
+            elif value in rule:
+                out[name] = rule[value]
+    return out
 
 
 def knob_fields(command: str) -> list:

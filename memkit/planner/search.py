@@ -47,8 +47,18 @@ from memkit.spec.stack import Stack
 from memkit.units import GIB
 
 
+class _OfAPlan:
+    """A verdict on one plan, labelled as the plan (planner/space.py describe)."""
+
+    __slots__ = ()
+
+    @property
+    def label(self) -> str:
+        return describe(self.plan)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Candidate:
+class Candidate(_OfAPlan):
     """A plan that fits, with its memory and speed estimates."""
 
     plan: TrainingPlan
@@ -58,13 +68,9 @@ class Candidate:
     micro_limit: str = ""
     """Why the micro-batch is not larger ('' when the per-rank batch itself is the limit)."""
 
-    @property
-    def label(self) -> str:
-        return describe(self.plan)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Rejection:
+class Rejection(_OfAPlan):
     """A plan that does not fit, and why."""
 
     plan: TrainingPlan
@@ -80,10 +86,6 @@ class Rejection:
     """What would make it fit (filled for the nearest misses when nothing fits)."""
     exact: bool = True
     """False when pruned by a sibling's verdict (its bytes are then unknown, 0)."""
-
-    @property
-    def label(self) -> str:
-        return describe(self.plan)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -183,3 +183,19 @@ def test_trainer_arguments_take_the_declared_knobs_as_they_are():
     assert trainer_knobs(plan) == {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 5,
                                    "max_grad_norm": 0.25}
     assert list(trainer_arguments(plan).items())[:3] == list(trainer_knobs(plan).items())
+
+
+def test_trainer_flags_follow_the_declared_rules():
+    """The TrainingArguments a knob's value sets (trainer={field: rule}): --bf16 for bf16 and bf16-pure,
+    --optim by name, --gradient_checkpointing for full only, use_liger_kernel written for the fused loss only."""
+    from memkit.emit.trainer import trainer_arguments
+    from memkit.plan.plan import trainer_flags
+
+    plan = TrainingPlan(precision="bf16-pure", optimizer="adamw-8bit", checkpointing="full", loss="fused")
+    assert trainer_flags(plan) == {"bf16": True, "fp16": False, "optim": "adamw_bnb_8bit",
+                                   "gradient_checkpointing": True, "use_liger_kernel": True}
+    plain = TrainingPlan(precision="fp16", checkpointing="4")
+    assert trainer_flags(plain) == {"bf16": False, "fp16": True, "optim": "adamw_torch",
+                                    "gradient_checkpointing": False}
+    assert list(trainer_arguments(plan))[-6:] == ["bf16", "fp16", "optim", "gradient_checkpointing",
+                                                  "use_liger_kernel", "gradient_checkpointing_kwargs"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from memkit.estimate import kernels
+from memkit.estimate.backward_techniques import activation_offload_transfer_s
 from memkit.estimate import throughput as tp_model
 from memkit.estimate.throughput import estimate_step_time
 from memkit.plan.plan import TrainingPlan
@@ -110,7 +111,7 @@ def test_activation_offload_on_a_side_stream_costs_only_what_sticks_out_of_each_
                                                     seq_len=4096, checkpointing="full"), ONE_A100)
     exposed = estimate_step_time(LLAMA1B, plan, ONE_A100)
     streamed = estimate_step_time(LLAMA1B, plan, ONE_A100, offload_streams=True)
-    moved = tp_model.activation_offload_transfer_s(LLAMA1B, plan, A100.pcie_gbps)
+    moved = activation_offload_transfer_s(LLAMA1B, plan, A100.pcie_gbps)
     assert exposed.step_time_s - base.step_time_s == pytest.approx(moved, rel=1e-9)
     # on the side stream the copies hide behind forward and backward, up to what sticks out
     assert base.step_time_s <= streamed.step_time_s < exposed.step_time_s

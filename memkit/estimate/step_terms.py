@@ -1,0 +1,246 @@
+"""What each technique adds to one optimizer step's time, through one small interface.
+
+The step-time walk (estimate/throughput.py estimate_step_time) prices the layers' kernels, the
+data- and tensor-parallel communication and the engine's own work; each technique then adds its
+own terms through a `StepTechnique`, as estimate/stage_terms.py's `Technique`s do for memory --
+`setup` (switches the layer passes read: the checkpoint recompute's early stop, fp32 adapters),
+`compute` (what the technique adds to a micro-batch's GPU compute or its recompute) and `exposed`
+(time outside the compute: offload traffic, the optimizer step, the pipeline's transfers and
+bubble). STEP_TECHNIQUES runs them in order, each reading what the earlier ones set; the order
+is the order the terms are summed in, so every estimate is the same sum it always was. The walk
+asks no plan which techniques it uses. memkit/ARCHITECTURE.md, "Techniques own their terms".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memkit.estimate import kernels
+from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
+from memkit.estimate.quantized import dequant_traffic_bytes
+from memkit.estimate.techniques import recompute_share
+from memkit.estimate.throughput import (CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMIZER_BYTES_PER_PARAM,
+                                        HOST_MEMORY_GBPS_PER_NODE, NVME_GBPS_PER_NODE, OP_DISPATCH_S,
+                                        OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER, _amp_fp32_weights,
+                                        _elementwise_pass, _elt, _Pass, _param_tensors, _trainable_per_gpu,
+                                        activation_offload_exposed_s, matmul_params, peft_fp32_adapters)
+from memkit.plan.plan import TrainingPlan
+from memkit.spec.hardware import GPU, Hardware
+from memkit.spec.model import ModelSpec
+from memkit.spec.stack import StackBehaviour
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepContext:
+    """What one step is, before any technique: the model, plan and hardware, the versions' behaviours,
+    the tokens of one micro-batch per data-parallel rank, and how the run is set up (see
+    estimate_step_time)."""
+
+    model: ModelSpec
+    plan: TrainingPlan
+    hardware: Hardware
+    gpu: GPU
+    how: StackBehaviour
+    tokens: int
+    compiled: bool = False
+    offload_streams: bool = False
+    hf_checkpointing: bool = False
+    lora_adapter_dtype: str | None = None
+
+
+@dataclass(slots=True)
+class StepTerms:
+    """The terms the walk adds up; the techniques set them (the defaults are a plan that uses none).
+    Seconds on one GPU, one micro-batch unless said otherwise."""
+
+    early_stop: bool = False        # the recompute stops after a block's last saved tensor (throughput._output_unsaved)
+    fp32_adapters: bool = False     # LoRA adapters in fp32 beside a 16-bit base (throughput.peft_fp32_adapters)
+    recompute_share: float = 0.0    # of full checkpointing's recompute (estimate/techniques.py recompute_share)
+    compute: _Pass = _Pass()        # forward and backward of the layers this GPU holds
+    fwd_only_s: float = 0.0         # the forward of every block, all stages: what full checkpointing re-runs
+    recompute_s: float = 0.0        # what backward re-runs
+    offload_micro_s: float = 0.0    # host <-> GPU traffic exposed every micro-step
+    offload_boundary_s: float = 0.0  # ... once per optimizer step (after the CPU step)
+    optimizer_s: float = 0.0        # the optimizer step on the GPU, once per optimizer step
+    pp_comm_s: float = 0.0          # stage-boundary transfers
+    bubble: float = 1.0             # the pipeline bubble's stretch of the step
+
+    @property
+    def bwd_window_s(self) -> float:
+        """The backward compute (with its recompute) that traffic can hide under."""
+        return self.compute.bwd_s + self.recompute_s
+
+
+class StepTechnique:
+    """One technique's step-time contribution. Each method may read what earlier techniques set."""
+
+    def setup(self, c: StepContext, t: StepTerms) -> None:
+        """Set the switches the layer passes read (t.early_stop, t.fp32_adapters, t.recompute_share)."""
+
+    def compute(self, c: StepContext, t: StepTerms) -> None:
+        """Add to one micro-batch's compute (t.compute) or recompute (t.recompute_s)."""
+
+    def exposed(self, c: StepContext, t: StepTerms) -> None:
+        """Add time outside the compute (offload traffic, optimizer step, pipeline)."""
+
+
+class Checkpointing(StepTechnique):
+    """Full, partial and selective checkpointing re-run forward work in backward (memkit/plan/
+    techniques.py: which blocks; estimate/techniques.py: the share)."""
+
+    def setup(self, c, t):
+        # memkit's runs checkpoint with non-reentrant torch.utils.checkpoint (train/techniques.py), which
+        # stops recomputing early from torch 2.1 (spec/stack.py CHECKPOINT_EARLY_STOP_TORCH).
+        t.early_stop = c.how.checkpoint_early_stop and not (c.hf_checkpointing and c.how.hf_checkpoint_reentrant)
+        t.recompute_share = recompute_share(c.plan, c.model.total_layers)
+
+    def compute(self, c, t):
+        plan, model = c.plan, c.model
+        # The forward of the K checkpointed blocks; under selective checkpointing only the
+        # elementwise ops between the kept matmul / attention outputs.
+        t.recompute_s += t.fwd_only_s / plan.pp * t.recompute_share
+        if plan.checkpointing == "selective":
+            num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
+            t.recompute_s += (_elementwise_pass(c.gpu, plan, model, num_attn, c.tokens, compiled=c.compiled).fwd_s
+                              * model.total_layers / plan.pp)
+
+
+class Loss(StepTechnique):
+    """The chunked loss recomputes each chunk's logits in backward: one more LM-head matmul
+    (estimate/techniques.py loss_recompute_flops_per_token)."""
+
+    def compute(self, c, t):
+        plan, model = c.plan, c.model
+        if plan.loss == "chunked":
+            v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+            t.recompute_s += kernels.gemm_time_s(c.gpu, plan.precision, c.tokens, v, model.hidden_size) / plan.pp
+
+
+class MixedPrecision(StepTechnique):
+    """torch autocast over fp32 weights (throughput._amp_fp32_weights)."""
+
+    def compute(self, c, t):
+        plan, model = c.plan, c.model
+        if _amp_fp32_weights(plan):
+            # autocast re-casts every fp32 weight to 16 bits in each forward (4 B read + 2 B written;
+            # its cast cache lives for one autocast region, so the recompute casts again), and
+            # AccumulateGrad adds each 16-bit weight gradient into the fp32 .grad (2 + 4 read, 4 written).
+            n = matmul_params(model) / (plan.tp * plan.pp)
+            trainable = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else n
+            cast = kernels.memory_time_s(c.gpu, 6 * n * (not plan.is_quantized))  # 4-bit bases: no autocast cast
+            t.compute = t.compute + _Pass(cast, kernels.memory_time_s(c.gpu, 10 * trainable), 0)
+            t.recompute_s += cast * t.recompute_share
+
+
+class QuantizedBase(StepTechnique):
+    """QLoRA's 4-bit base: dequantisation and casts of the 4-bit linears (estimate/quantized.py)."""
+
+    def compute(self, c, t):
+        if c.plan.is_quantized:
+            fwd_b, bwd_b = dequant_traffic_bytes(c.model, c.plan, c.tokens)
+            t.compute = t.compute + _Pass(kernels.memory_time_s(c.gpu, fwd_b), kernels.memory_time_s(c.gpu, bwd_b), 0)
+            t.recompute_s += kernels.memory_time_s(c.gpu, fwd_b) * t.recompute_share
+
+
+class Lora(StepTechnique):
+    """LoRA adapters: their GEMMs are priced with each adapted linear (throughput.lora_adapter_pass),
+    in fp32 where peft keeps them so (throughput.peft_fp32_adapters)."""
+
+    def setup(self, c, t):
+        t.fp32_adapters = peft_fp32_adapters(c.plan, c.lora_adapter_dtype)
+
+
+class OptimizerOffload(StepTechnique):
+    """ZeRO-Offload (Ren et al. 2021, Sec. 4): 16-bit grads GPU->CPU during backward, CPU-Adam on the
+    host, updated 16-bit params back after the step; NVMe pages the states in and out."""
+
+    def exposed(self, c, t):
+        plan = c.plan
+        if plan.offload_optimizer == "none":
+            return
+        pcie, per_node = c.gpu.pcie_gbps * GB, c.hardware.num_gpus_per_node
+        partition = _trainable_per_gpu(c.model, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+        e = 4 if plan.precision == "fp32" else 2
+        t.offload_micro_s += max(0.0, partition * e / pcie - t.bwd_window_s)   # grad copies overlap backward
+        t.offload_boundary_s += partition * e / pcie                            # params back, after the CPU step
+        t.offload_boundary_s += partition * CPU_ADAM_BYTES_PER_PARAM / (HOST_MEMORY_GBPS_PER_NODE * GB / per_node)
+        if plan.offload_optimizer == "nvme":
+            t.offload_boundary_s += 2 * partition * 12 / (NVME_GBPS_PER_NODE * GB / per_node)
+
+
+class ActivationOffload(StepTechnique):
+    """--offload-activations cpu: saved activations out to the host in forward and back in backward
+    (estimate/backward_techniques.py activation_offload_transfer_s)."""
+
+    def exposed(self, c, t):
+        if c.plan.offload_activations == "none":
+            return
+        moved = activation_offload_transfer_s(c.model, c.plan, c.gpu.pcie_gbps)
+        if c.offload_streams:
+            t.offload_micro_s += activation_offload_exposed_s(moved, fwd_s=t.compute.fwd_s, bwd_s=t.bwd_window_s)
+        else:   # memkit's runner copies on the compute stream (train/backward_techniques.py)
+            t.offload_micro_s += moved
+
+
+class ParamOffload(StepTechnique):
+    """ZeRO-3 parameter offload: each micro-step's parameters cross PCIe twice (Ren et al. 2021;
+    ZeRO-Infinity, Rajbhandari et al. 2021, Sec. 6.2, for NVMe)."""
+
+    def exposed(self, c, t):
+        plan = c.plan
+        if plan.offload_params == "none":
+            return
+        e = 4 if plan.precision == "fp32" else 2
+        p_part = c.model.num_params / (plan.tp * plan.pp) / plan.dp * e
+        t.offload_micro_s += 2 * p_part / (c.gpu.pcie_gbps * GB)
+        if plan.offload_params == "nvme":
+            t.offload_micro_s += 2 * p_part / (NVME_GBPS_PER_NODE * GB / c.hardware.num_gpus_per_node)
+
+
+class OptimizerStep(StepTechnique):
+    """The optimizer step on the GPU, memory-bound (GPU_OPTIMIZER_BYTES_PER_PARAM) or, where
+    torch loops over tensors, dispatch-bound (OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER);
+    none when the optimizer is offloaded (OptimizerOffload prices the CPU step)."""
+
+    def exposed(self, c, t):
+        plan = c.plan
+        if plan.offload_optimizer != "none":
+            return
+        partition = _trainable_per_gpu(c.model, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+        bytes_per_param = GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer]
+        ops_per_tensor = OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+        if plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER and not c.how.foreach_optimizer:
+            ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
+        t.optimizer_s = kernels.memory_time_s(c.gpu, partition * bytes_per_param)
+        if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
+            t.optimizer_s = max(t.optimizer_s, _param_tensors(c.model, plan) * ops_per_tensor * OP_DISPATCH_S)
+
+
+class OptimizerInBackward(StepTechnique):
+    """--optimizer-in-backward: one step() per tensor, inside backward (estimate/backward_techniques.py
+    IN_BACKWARD_OPS_PER_TENSOR)."""
+
+    def exposed(self, c, t):
+        plan = c.plan
+        if plan.optimizer_in_backward and plan.offload_optimizer == "none":
+            per_tensor = IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
+            t.optimizer_s = max(t.optimizer_s, _param_tensors(c.model, plan) * per_tensor * OP_DISPATCH_S)
+
+
+class Pipeline(StepTechnique):
+    """Pipeline parallelism: activations forward and their gradients backward at each stage boundary;
+    the 1F1B / GPipe bubble idles (p-1)/(m+p-1) of the time (Narayanan et al. 2021, Sec. 2.2)."""
+
+    def exposed(self, c, t):
+        plan, hardware = c.plan, c.hardware
+        if plan.pp <= 1:
+            return
+        act = c.tokens * c.model.hidden_size * _elt(plan)
+        pp_bw = hardware.gpu.intra_node_gbps if hardware.num_nodes == 1 else hardware.inter_node_gbps
+        m = plan.grad_accum
+        t.pp_comm_s, t.bubble = 2 * act / (pp_bw * GB), (m + plan.pp - 1) / m
+
+
+STEP_TECHNIQUES: tuple[StepTechnique, ...] = (Checkpointing(), Loss(), MixedPrecision(), QuantizedBase(), Lora(),
+                                              OptimizerOffload(), ActivationOffload(), ParamOffload(),
+                                              OptimizerStep(), OptimizerInBackward(), Pipeline())
+"""In the order they run: a later one reads (and may override) what an earlier one set."""
