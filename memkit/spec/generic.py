@@ -28,7 +28,7 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
 def generic_fields(config: dict, source: str, auto_class: str | None = None) -> dict:
     """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`, built as its
     language model or as `auto_class` (a task head: spec/hf_config.py TASK_CLASSES)."""
-    from memkit.spec.hf_config import auto_class_for, block_lists, build_config
+    from memkit.spec.hf_config import auto_class_for, block_lists, build_config, peft_saved_params
 
     if not _known_to_transformers(config["model_type"]):
         return _remote_code_fields(config, source)
@@ -78,6 +78,7 @@ def generic_fields(config: dict, source: str, auto_class: str | None = None) -> 
         tie_word_embeddings=tie, layer_linears=linears,
         encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
         layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
+        lora_saved_params=peft_saved_params(model, auto_class),
         linear_in_out=_linear_in_out(model),
         traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
                             "approximations": tuple(

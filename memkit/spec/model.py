@@ -120,6 +120,9 @@ class ModelSpec:
     encoder_layer_params: int = 0
     head_params: int
     """Everything after the last block: final norm, untied LM head or task head, pooler."""
+    lora_saved_params: int = 0
+    """A classifier's head modules peft trains beside LoRA's adapters, as a full copy
+    (spec/hf_config.py peft_saved_params); 0 for language models."""
     hub_id: str = ""
     """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
     config_path: str = ""
