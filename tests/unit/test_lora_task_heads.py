@@ -111,3 +111,15 @@ def test_bundle_writes_the_task_type_and_class(tmp_path):
     # BART as its seq2seq LM: --task causal-lm on an encoder-decoder
     assert task_class("causal-lm", "AutoModelForSeq2SeqLM") == "AutoModelForSeq2SeqLM"
     assert lora_config(plan.with_(task="causal-lm"), model_class="AutoModelForSeq2SeqLM")["task_type"] == "SEQ_2_SEQ_LM"
+
+
+def test_default_targets_are_a_linear_peft_wraps():
+    """Mamba has no q/v projections: the default is its first block nn.Linear (in_proj), not the
+    conv1d.weight parameter listed before it, which peft refuses (one-line error before this)."""
+    from memkit.planner.space import default_lora_targets
+    from memkit.spec.hf import spec_from_config
+
+    mamba = spec_from_config({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8,
+                              "expand": 2, "conv_kernel": 4, "vocab_size": 500}, name="mamba")
+    assert "conv1d.weight" in mamba.linear_names()
+    assert default_lora_targets(mamba) == ("in_proj",)
