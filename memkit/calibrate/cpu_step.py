@@ -64,7 +64,8 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
         config.num_labels = plan.num_labels
     dtype = torch.bfloat16 if plan.precision == "bf16-pure" else torch.float32
     # causal LM, else seq2seq (T5), else masked LM; or the plan's classification head
-    auto = getattr(transformers, TASK_CLASSES.get(plan.task) or auto_class_for(config))
+    auto_name = TASK_CLASSES.get(plan.task) or auto_class_for(config)
+    auto = getattr(transformers, auto_name)
     if plan.is_quantized:
         from memkit.train.quantize import load_quantized, quantize_fresh
 
@@ -87,13 +88,10 @@ def build_model(model_config, plan: TrainingPlan, *, seed: int = 0,
     if plan.is_lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=plan.lora_rank, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                          target_modules=list(plan.lora_targets),
-                          # a masked LM (ELECTRA, DistilBERT) gets peft's plain PeftModel: PeftModelForCausalLM
-                          # needs prepare_inputs_for_generation, which those classes lack (peft/peft_model.py)
-                          task_type="SEQ_2_SEQ_LM" if config.is_encoder_decoder else
-                          None if auto is not transformers.AutoModelForCausalLM else "CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        from memkit.emit.trainer import lora_config
+
+        # the runner's config (memkit/train/model.py apply_plan): a classifier's head is trained too
+        model = get_peft_model(model, LoraConfig(**lora_config(plan, model_class=auto_name)))
     return model
 
 

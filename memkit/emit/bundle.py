@@ -52,7 +52,7 @@ def bundle_files(document: dict, *, out_dir: str, nvme_path: str = "/local_nvme"
                             num_nodes=hw["num_nodes"], main_process_ip=main_process_ip)
     files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
     files["plan.json"] = plan_doc.to_text(document)
-    recipe = trainer_recipe(plan, lr=lr)
+    recipe = trainer_recipe(plan, lr=lr, model_class=doc.model_class)
     if recipe.peft_config is not None:
         files[PEFT_CONFIG_FILE] = json.dumps(recipe.peft_config, indent=2) + "\n"
     files["README.md"] = readme(document, out_dir=out_dir.rstrip("/"))
@@ -327,7 +327,7 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
     needs (memkit.emit.trainer.trainer_recipe; tests/unit/test_trainer_fidelity.py runs them)."""
     doc = plan_doc.PlanDocument(document)
     plan = doc.plan
-    recipe = trainer_recipe(plan, lr=doc.lr)
+    recipe = trainer_recipe(plan, lr=doc.lr, model_class=doc.model_class)
     kwargs = ", ".join(f"{k}={v!r}" for k, v in recipe.model_kwargs.items())
     from memkit.spec.hf import find_catalog_model
 
@@ -347,7 +347,7 @@ def trainer_section(document: dict, *, out_dir: str) -> list[str]:
         "while loading):",
         "",
         "```python",
-        f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs})",
+        f"model = {recipe.model_class}.from_pretrained({checkpoint!r}, {kwargs})",
         *recipe.model_code,
     ]
     if recipe.peft_config is not None:
@@ -375,9 +375,9 @@ def _quantized_trainer_lines(recipe, *, checkpoint: str, kwargs: str, out_dir: s
         "",
         "```python",
         "import torch",
-        "from transformers import AutoModelForCausalLM, BitsAndBytesConfig",
+        f"from transformers import {recipe.model_class}, BitsAndBytesConfig",
         f"quantization = BitsAndBytesConfig(**{recipe.quantization!r})",
-        f"model = AutoModelForCausalLM.from_pretrained({checkpoint!r}, {kwargs}, quantization_config=quantization, "
+        f"model = {recipe.model_class}.from_pretrained({checkpoint!r}, {kwargs}, quantization_config=quantization, "
         f"dtype=torch.{dtype})",
         *recipe.model_code,
         "from peft import LoraConfig, get_peft_model",

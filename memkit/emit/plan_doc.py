@@ -19,6 +19,7 @@ from memkit.plan.parallel import engines, split_limits
 from memkit.plan.plan_schema import PLAN_FORMAT_VERSION, versions  # noqa: F401 (the document's format and versions)
 from memkit.plan.plan import DEFAULT_LR, TrainingPlan  # noqa: F401 (DEFAULT_LR: suggest, presets, bundle import it here)
 from memkit.spec.hardware import Hardware, custom_gpu, find_gpu
+from memkit.spec.hf_config import task_class
 VERSION_KEYS = ("versions",)
 """Keys that differ between machines that made the same plan (installed versions)."""
 
@@ -53,11 +54,15 @@ def hardware_from_dict(hw: dict) -> Hardware:
 def plan_document(*, model_name: str, plan: TrainingPlan, hardware: dict, memory, speed,
                   request: dict | None = None, alternatives: list[dict] | None = None,
                   rejected: list[dict] | None = None, notes: list[str] | None = None,
-                  label: str = "", lr: float = DEFAULT_LR, version_info: dict | None = None) -> dict:
-    """plan.json: the plan, what memkit predicts for it, and what it was made for."""
+                  label: str = "", lr: float = DEFAULT_LR, version_info: dict | None = None,
+                  model_class: str = "AutoModelForCausalLM") -> dict:
+    """plan.json: the plan, what memkit predicts for it, and what it was made for. `model_class`: the
+    transformers Auto class of the model priced (spec/hf_config.py task_class), written unless a causal
+    LM; the bundle builds that class and gives LoRA its peft task type (emit/trainer.py lora_config)."""
     return {
         "format_version": PLAN_FORMAT_VERSION,
         "model": model_name,
+        **({"model_class": model_class} if model_class != "AutoModelForCausalLM" else {}),
         "hardware": hardware,
         "request": request or {},
         "plan": plan.to_dict(),
@@ -127,7 +132,7 @@ def build(result, *, lr: float = DEFAULT_LR, elapsed_s: float | None = None,
         alternatives=[candidate_dict(c) for c in result.alternatives],
         rejected=[rejection_dict(r) for r in result.rejected],
         notes=list(result.notes) + ([f"micro-batch limit: {chosen.micro_limit}"] if chosen.micro_limit else []),
-        version_info=version_info)
+        version_info=version_info, model_class=task_class(chosen.plan.task, req.model.auto_class))
     doc["budget_bytes"] = req.budget_bytes
     if result.split_reason:
         doc["split_reason"] = result.split_reason
@@ -168,6 +173,11 @@ class PlanDocument:
         if isinstance(model, dict):  # older hand-written documents
             return model.get("name") or model.get("model")
         return model if isinstance(model, str) else None
+
+    @property
+    def model_class(self) -> str:
+        """The transformers Auto class of the model priced (build writes it unless a causal LM)."""
+        return self.data.get("model_class") or task_class(self.plan.task, "AutoModelForCausalLM")
 
     @property
     def lr(self) -> float:

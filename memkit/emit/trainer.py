@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from memkit.emit.deepspeed import ADAM_BETAS, ADAM_EPS
 from memkit.plan.plan import (DEFAULT_LR, DEFAULT_SEQ_LEN, HF_ATTN_IMPLEMENTATION, TrainingPlan, trainer_flags,
                               trainer_knobs)
+from memkit.spec.hf_config import peft_task_type, task_class
 
 PEFT_CONFIG_FILE = "adapter_config.json"
 """The file name peft's LoraConfig.from_pretrained(folder) reads (peft/utils/constants.py, CONFIG_NAME)."""
@@ -33,7 +34,9 @@ class TrainerRecipe:
     arguments: dict
     """TrainingArguments field -> value (besides --deepspeed and --output_dir)."""
     model_kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of AutoModelForCausalLM.from_pretrained."""
+    """Keyword arguments of `model_class`.from_pretrained."""
+    model_class: str = "AutoModelForCausalLM"
+    """The transformers Auto class that builds the model trained (a classifier, a seq2seq LM, ...)."""
     peft_config: dict | None = None
     """peft LoraConfig fields (the bundle writes them to PEFT_CONFIG_FILE); None: full fine-tuning."""
     max_length: int = DEFAULT_SEQ_LEN
@@ -79,13 +82,18 @@ def trainer_arguments(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_deca
     return args
 
 
-def lora_config(plan: TrainingPlan) -> dict | None:
-    """peft LoraConfig fields of the plan's adapters (None for full fine-tuning); the runner and
-    the bundle's adapter_config.json both take them from here."""
+def lora_config(plan: TrainingPlan, *, model_class: str | None = None) -> dict | None:
+    """peft LoraConfig fields of the plan's adapters (None for full fine-tuning); the runner, the CPU
+    measurement and the bundle's adapter_config.json all take them from here. `model_class`: the
+    transformers Auto class of the model trained (default: the plan's --task on a causal LM); its
+    task_type picks peft's PeftModel class, and SEQ_CLS / TOKEN_CLS train the classifier head too
+    (memkit/spec/hf_config.py PEFT_TASK_TYPES, PEFT_SAVED_HEADS)."""
     if not plan.is_lora:
         return None
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": plan.lora_rank, "lora_alpha": plan.lora_alpha,
-            "lora_dropout": plan.lora_dropout, "target_modules": list(plan.lora_targets), "bias": "none"}
+    model_class = model_class or task_class(plan.task, "AutoModelForCausalLM")
+    return {"peft_type": "LORA", "task_type": peft_task_type(model_class), "r": plan.lora_rank,
+            "lora_alpha": plan.lora_alpha, "lora_dropout": plan.lora_dropout,
+            "target_modules": list(plan.lora_targets), "bias": "none"}
 
 
 LOSS_PATH_CODE = {
@@ -133,9 +141,15 @@ def bnb_config_kwargs(plan: TrainingPlan) -> dict | None:
             "bnb_4bit_compute_dtype": COMPUTE_DTYPE[plan.precision]}
 
 
-def trainer_recipe(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0) -> TrainerRecipe:
+def trainer_recipe(plan: TrainingPlan, *, lr: float = DEFAULT_LR, weight_decay: float = 0.0,
+                   model_class: str | None = None) -> TrainerRecipe:
+    """`model_class`: the transformers Auto class of the model (plan.json's model_class; default the
+    plan's --task on a causal LM); a classifier's from_pretrained takes num_labels."""
+    model_class = model_class or task_class(plan.task, "AutoModelForCausalLM")
+    labels = {"num_labels": plan.num_labels} if plan.task in ("seq-cls", "token-cls") else {}
     return TrainerRecipe(arguments=trainer_arguments(plan, lr=lr, weight_decay=weight_decay),
-                         model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention]},
-                         peft_config=lora_config(plan), max_length=plan.seq_len,
+                         model_kwargs={"attn_implementation": HF_ATTN_IMPLEMENTATION[plan.attention], **labels},
+                         model_class=model_class,
+                         peft_config=lora_config(plan, model_class=model_class), max_length=plan.seq_len,
                          model_code=model_code(plan), quantization=bnb_config_kwargs(plan),
                          loss_path=plan.loss_path)

@@ -157,9 +157,11 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
             params += model.vocab_size * model.hidden_size  # the last stage keeps its own copy
     if plan.is_lora:
         lora_layer = model.lora_params(plan.lora_rank, plan.lora_targets) // model.total_layers
-        trainable = lora_layer * n_layers
+        # a classifier's head: peft trains a full copy of it beside the frozen original (spec/model.py)
+        saved_head = model.lora_saved_params if last else 0
+        trainable = lora_layer * n_layers + saved_head
         params += trainable
-        layer_trainable, head_trainable = lora_layer, 0
+        layer_trainable, head_trainable = lora_layer, saved_head
     else:
         trainable = params
         layer_trainable = avg_layer
@@ -217,7 +219,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     st = t.st
     host = _host_bytes(model, plan, hardware, st) + (
         offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
-    lora = model.lora_params(plan.lora_rank, plan.lora_targets) if plan.is_lora else 0
+    lora = model.lora_params(plan.lora_rank, plan.lora_targets) + model.lora_saved_params if plan.is_lora else 0
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
         nvidia_smi_peak_bytes=int(reserved + outside),

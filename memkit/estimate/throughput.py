@@ -22,11 +22,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from memkit.estimate import kernels
-from memkit.estimate.activations import numerics
+from memkit.estimate.activations import head_logits, numerics
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan.plan import TrainingPlan
 from memkit.presets_dir import presets_dir
+from memkit.spec.generic import task_spec
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import Linear, ModelSpec
 from memkit.spec.stack import Stack, behaviour
@@ -185,19 +186,95 @@ def matmul_params(model: ModelSpec) -> int:
 
 
 def flops_per_token(model: ModelSpec, plan: TrainingPlan) -> tuple[float, float]:
-    """(model FLOPs, extra recompute FLOPs) per token of one training step (memkit.estimate.flops)."""
-    n = matmul_params(model)
-    trainable = min(n, model.lora_params(plan.lora_rank, plan.lora_targets)) if plan.is_lora else n
+    """(model FLOPs, extra recompute FLOPs) per token of one training step (memkit.estimate.flops), a
+    token being one of the micro-batch's seq_len input positions: the task's head (_per_token_params)
+    and an encoder-decoder's decoder at --target-len (_attention_positions)."""
+    model = task_spec(model, plan)  # the task's head and lengths (spec/generic.py)
+    n = _per_token_params(model, plan)
+    lora = model.lora_params(plan.lora_rank, plan.lora_targets) + model.lora_saved_params
+    trainable = min(n, lora) if plan.is_lora else n
     width = model.num_attention_heads * model.head_dim
+    positions = _attention_positions(model, plan)
     total = train_flops_per_token(matmul_params=n, trainable_matmul_params=trainable,
-                                  num_layers=model.total_layers, attention_width=width, seq_len=plan.seq_len)
+                                  num_layers=1, attention_width=width, seq_len=positions)
     # Checkpointing re-runs each checkpointed block's forward in backward (Chen et al. 2016;
     # Korthikanti et al. 2022, Sec. 5): 2N + the forward third of the attention term, times K/L for
     # partial checkpointing (selective re-runs no matmul); the chunked loss re-runs the head matmul
     # (memkit/estimate/techniques.py).
-    recompute = ((2.0 * n + 4.0 * model.total_layers * width * plan.seq_len) * recompute_share(plan, model.total_layers)
+    recompute = ((2.0 * n + 4.0 * width * positions) * recompute_share(plan, model.total_layers)
                  + loss_recompute_flops_per_token(model, plan))
     return total, recompute
+
+
+def _target_share(model: ModelSpec, plan: TrainingPlan) -> float:
+    """Decoder positions per input position: an encoder-decoder's decoder runs at --target-len
+    (0: seq_len) over an encoder at seq_len (bart/modeling_bart.py BartForConditionalGeneration:
+    decoder_input_ids are the labels shifted right); 1 for every other model."""
+    if model.kind != "encoder-decoder" or not plan.target_len:
+        return 1.0
+    return plan.target_len / plan.seq_len
+
+
+def _cross_kv_params(model: ModelSpec) -> int:
+    """Parameters of the decoder blocks' cross-attention K and V projections, which run on the
+    encoder's seq_len states, not the decoder's tokens (bart/modeling_bart.py BartAttention with
+    key_value_states; t5/modeling_t5.py T5Attention): the second k and v of a decoder block."""
+    if model.kind != "encoder-decoder":
+        return 0
+    seen: dict[str, int] = {}
+    cross = 0
+    for lin in model.layer_linears:
+        if lin.role in ("k", "v"):
+            seen[lin.role] = seen.get(lin.role, 0) + 1
+            cross += lin.num_params if seen[lin.role] > 1 else 0
+    return model.num_layers * cross
+
+
+def _head_rows(model: ModelSpec, plan: TrainingPlan, micro_tokens: float) -> float:
+    """Rows the task head's matmuls multiply per micro-batch of `micro_tokens` input positions. An
+    encoder's (or encoder-decoder's) sequence classifier pools one position first, then its pooler
+    and classifier run once per sequence (bert/modeling_bert.py BertForSequenceClassification: BertPooler
+    on hidden_states[:, 0]; deberta_v2 ContextPooler; electra ElectraClassificationHead features[:, 0];
+    distilbert hidden_state[:, 0]; bart BartForSequenceClassification, the eos position); a decoder's
+    scores every position, then gathers the last (transformers/modeling_layers.py
+    GenericForSequenceClassification.forward: `logits = self.score(hidden_states)`, then pooled_logits).
+    A token classifier and an LM head: every (decoder) position."""
+    if plan.task == "seq-cls" and model.kind != "decoder":
+        return micro_tokens / plan.seq_len
+    if plan.task == "causal-lm":
+        return micro_tokens * _target_share(model, plan)
+    return micro_tokens
+
+
+def _head_matmul_params(model: ModelSpec, plan: TrainingPlan) -> int:
+    """Weights of the head's matmuls: the LM head's vocab x hidden (tied or not), or a classifier's
+    linears (spec.head_matmul_params: pooler / dense and classifier, with their biases)."""
+    return model.vocab_size * model.hidden_size if plan.task == "causal-lm" else model.head_matmul_params
+
+
+def _per_token_params(model: ModelSpec, plan: TrainingPlan) -> float:
+    """matmul_params weighted by how many positions meet each per input position: the head at its
+    rows (_head_rows), an encoder-decoder's decoder blocks at --target-len but their cross-attention
+    K/V at seq_len (_cross_kv_params); everything else once per position."""
+    n = matmul_params(model)
+    head = min(n, _head_matmul_params(model, plan))
+    decoder = (model.num_layers * model.layer_params - _cross_kv_params(model)
+               if model.kind == "encoder-decoder" else 0)
+    head_share = _head_rows(model, plan, plan.seq_len) / plan.seq_len
+    return n - head * (1 - head_share) - decoder * (1 - _target_share(model, plan))
+
+
+def _attention_positions(model: ModelSpec, plan: TrainingPlan) -> float:
+    """Sum over attention modules of the key positions each query meets, per input position (the
+    attention term of flops.py is 12 x width x this): seq_len per block for encoders and decoders; an
+    encoder-decoder's encoder blocks seq_len, its decoder's self-attention t x t and cross-attention
+    t x seq_len per sequence (t = --target-len; bart/modeling_bart.py BartDecoderLayer: self_attn,
+    encoder_attn), divided by seq_len."""
+    s = plan.seq_len
+    if model.kind != "encoder-decoder":
+        return float(model.total_layers * s)
+    t = _target_share(model, plan) * s
+    return model.num_encoder_layers * s + model.num_layers * (t * t + t * s) / s
 
 
 # ---- compute, kernel by kernel -----------------------------------------------------------------
@@ -442,15 +519,25 @@ def _output_unsaved(plan: TrainingPlan, model: ModelSpec, last: Linear) -> bool:
 
 
 def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
-    """LM head GEMM (vocab split over TP under loss parallel), cross-entropy, embedding lookup."""
+    """The task's head GEMMs (an LM head, vocab split over TP under loss parallel, at the decoder's
+    positions; or a classifier's linears at _head_rows), the cross-entropy over its logits
+    (activations.head_logits), the embedding lookup (an encoder-decoder's decoder inputs too)."""
+    model = task_spec(model, plan)  # the task's head and lengths (spec/generic.py)
     prec, h = plan.precision, model.hidden_size
-    v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
-    fwd = kernels.gemm_time_s(gpu, prec, tokens, v, h)
-    bwd = kernels.gemm_time_s(gpu, prec, tokens, h, v)
-    if not plan.is_lora:
-        bwd += kernels.gemm_time_s(gpu, prec, h, v, tokens)
-    loss = kernels.memory_time_s(gpu, LOSS_BYTES_PER_LOGIT * tokens * v)
-    emb = kernels.memory_time_s(gpu, 3 * _elt(plan) * tokens * h)   # gather forward, scatter-add backward
+    rows = _head_rows(model, plan, tokens)
+    if plan.task == "causal-lm":
+        width = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+    else:
+        width = max(1, _head_matmul_params(model, plan) // h)
+    fwd = kernels.gemm_time_s(gpu, prec, rows, width, h)
+    bwd = kernels.gemm_time_s(gpu, prec, rows, h, width)
+    if not plan.is_lora or model.lora_saved_params:  # peft trains a classifier's head copy (spec/model.py)
+        bwd += kernels.gemm_time_s(gpu, prec, h, width, rows)
+    logit_rows, logit_width = (rows, width) if plan.task == "causal-lm" else \
+        head_logits(model, plan, max(1, round(tokens / plan.seq_len)))  # seq-cls: one row per sequence
+    loss = kernels.memory_time_s(gpu, LOSS_BYTES_PER_LOGIT * logit_rows * logit_width)
+    looked_up = tokens * (1 + (_target_share(model, plan) if model.kind == "encoder-decoder" else 0))
+    emb = kernels.memory_time_s(gpu, 3 * _elt(plan) * looked_up * h)   # gather forward, scatter-add backward
     return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
 
 

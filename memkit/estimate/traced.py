@@ -39,7 +39,7 @@ from functools import lru_cache
 
 from memkit.errors import MemkitError
 from memkit.spec.hf_config import (AUTO_CLASSES, TASK_CLASSES, auto_class_for, block_lists, build_config,  # noqa: F401
-                                   label_shape, layer_count_keys)
+                                   label_shape, layer_count_keys, peft_task_type)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +136,6 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
            attention: str, lora_rank: int, lora_targets: tuple, lora_dropout: bool, device: str,
            micro_batch_size: int, fake: bool = True, priced_scan: bool = True, target_len: int = 0) -> Trace:
     import torch
-    import transformers
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
     hf_config = build_config(json.loads(config_json))
@@ -147,9 +146,8 @@ def _trace(config_json: str, auto_class: str, seq_len: int, weight_itemsize: int
     dtype = torch.bfloat16 if weight_itemsize == 2 else torch.float32
     notes = []
     attn = "eager" if attention == "eager" else "sdpa"  # flash-attn 2 saves what SDPA's flash kernel does
-    auto = getattr(transformers, auto_class)
     try:  # built on the meta device (no init, and peft's adapter moves are no-ops there), then faked
-        model, attn, note = _build(auto, hf_config, attn, dtype, lora_rank, lora_targets, lora_dropout)
+        model, attn, note = _build(auto_class, hf_config, attn, dtype, lora_rank, lora_targets, lora_dropout)
     except RefusedVariant:
         raise
     except Exception as exc:
@@ -250,19 +248,22 @@ def _stack_counts(hf_config, model) -> dict[str, int]:
     return counts
 
 
-def _build(auto, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tuple, lora_dropout: bool):
-    """The model on the meta device, with its LoRA adapters; falls back to eager attention where the
-    family has no SDPA path (from_config)."""
+def _build(auto_class: str, hf_config, attn: str, dtype, lora_rank: int, lora_targets: tuple, lora_dropout: bool):
+    """The model on the meta device, with its LoRA adapters under the task type the runner gives
+    them (a classifier's head trained too: spec/hf_config.py PEFT_SAVED_HEADS); falls back to eager
+    attention where the family has no SDPA path (from_config)."""
     import torch
+    import transformers
 
     with torch.device("meta"):
-        model, attn, note = from_config(auto, hf_config, attn, dtype)
+        model, attn, note = from_config(getattr(transformers, auto_class), hf_config, attn, dtype)
         if lora_rank:
             from peft import LoraConfig, get_peft_model
 
             try:
                 model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=list(lora_targets),
-                                                         lora_dropout=0.05 if lora_dropout else 0.0))
+                                                         lora_dropout=0.05 if lora_dropout else 0.0,
+                                                         task_type=peft_task_type(auto_class)))
             except ValueError as exc:  # e.g. peft refuses out_proj / conv1d for Mamba (tuners/lora/model.py)
                 raise RefusedVariant(
                     f"--lora-targets {','.join(lora_targets)}: peft refuses them for {hf_config.model_type} "

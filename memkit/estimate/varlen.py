@@ -127,9 +127,13 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     """Reserved and nvidia-smi peaks of the steps `steps` (one sequence length each) of `plan`,
     replayed one after another through the caching allocator."""
     from memkit.estimate.memory import SHARDED_COMPONENTS, _stage
+    from memkit.spec.generic import task_spec
 
     if plan.pp > 1:
         raise MemkitError("variable-length replay prices one pipeline stage; use --pp 1 with --lengths/--data")
+    # the task's head (a classifier's labels per sequence or per token) and an encoder-decoder's
+    # decoder at --target-len (0: each step's length), as estimate_stages prices them (spec/generic.py)
+    model = task_spec(model, plan)
     steps = _sample(steps, MAX_STEPS)
     traces: dict[int, dict] = {}
     single = {}

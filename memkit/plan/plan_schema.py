@@ -123,6 +123,7 @@ TOP: dict[str, Field] = {
     "request": Field("object", required=False), "search": Field("object", required=False),
     "budget_bytes": Field("int", 1, MAX_BYTES, required=False), "versions": Field("object", required=False),
     "engines": Field("object", required=False), "trainer_arguments": Field("object", required=False),
+    "model_class": Field("str", required=False),  # the transformers Auto class priced (emit/plan_doc.py)
 }
 
 

@@ -180,13 +180,16 @@ def workload_knobs(request: Request) -> dict:
 
 def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
     """The q/v attention projections under the model's own names (peft's defaults,
-    peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), else its first linear."""
+    peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), else its first
+    nn.Linear of a block: not a bare parameter ('conv1d.weight', 'experts.gate_up_proj', which peft's
+    LoRA cannot wrap) nor the LM head -- Mamba's in_proj."""
     names = model.linear_names()
     for pair in (("q_proj", "v_proj"), ("q", "v"), ("query", "value"), ("c_attn",),
                  ("query_key_value",), ("qkv_proj",), ("Wqkv",)):
         if all(n in names for n in pair):
             return pair
-    return tuple(names[:1])
+    linears = [n for n in names if "." not in n and n != "lm_head"]
+    return tuple((linears or names)[:1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
 def generic_fields(config: dict, source: str, auto_class: str | None = None) -> dict:
     """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`, built as its
     language model or as `auto_class` (a task head: spec/hf_config.py TASK_CLASSES)."""
-    from memkit.spec.hf_config import auto_class_for, block_lists, build_config
+    from memkit.spec.hf_config import auto_class_for, block_lists, build_config, peft_saved_params
 
     if not _known_to_transformers(config["model_type"]):
         return _remote_code_fields(config, source)
@@ -78,6 +78,8 @@ def generic_fields(config: dict, source: str, auto_class: str | None = None) -> 
         tie_word_embeddings=tie, layer_linears=linears,
         encoder_layer_linears=_linears(encoder[0]) if n_enc else (), embedding_params=embedding_params,
         layer_params=layer_params, encoder_layer_params=enc_params, head_params=head_params,
+        lora_saved_params=peft_saved_params(model, auto_class),
+        head_matmul_params=_head_matmul_params(model, lists) if auto_class != lm_class else 0,
         linear_in_out=_linear_in_out(model),
         traced=True, extra={"traced_config": json.dumps(config, sort_keys=True), "auto_class": auto_class,
                             "approximations": tuple(
@@ -176,6 +178,17 @@ def _linear_in_out(model) -> tuple[tuple[str, int], ...]:
         elif Conv1D and isinstance(module, Conv1D):  # GPT-2 style, weight (in, out): peft wraps it too
             out[key] = out.get(key, 0) + sum(module.weight.shape)
     return tuple(out.items())
+
+
+def _head_matmul_params(model, lists) -> int:
+    """Weights and biases of a task head's nn.Linear modules: those outside the blocks and the
+    embeddings (BERT's pooler.dense and classifier, ELECTRA's classifier.dense / out_proj, DistilBERT's
+    pre_classifier, a decoder's score; not ELECTRA's embeddings_project, which runs per token)."""
+    import torch
+
+    blocks = [name for name, _ in lists]
+    return sum(_numel(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and not any(name.startswith(b + ".") for b in blocks) and "embed" not in name)
 
 
 def _numel(module) -> int:

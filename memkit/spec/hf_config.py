@@ -96,6 +96,46 @@ def layer_count_keys(hf_config) -> list[str]:
 TASK_CLASSES = {"seq-cls": "AutoModelForSequenceClassification", "token-cls": "AutoModelForTokenClassification"}
 """The Auto class of each classification task (TrainingPlan.task); 'causal-lm' is auto_class_for's LM."""
 
+PEFT_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM",
+                   "AutoModelForSequenceClassification": "SEQ_CLS", "AutoModelForTokenClassification": "TOKEN_CLS"}
+"""peft TaskType of the model each Auto class builds (peft/utils/peft_types.py TaskType; peft/mapping.py
+MODEL_TYPE_TO_PEFT_MODEL_MAPPING picks the PeftModel class from it). A masked LM (ELECTRA, DistilBERT
+as LMs) has none: it gets the plain PeftModel, since PeftModelForCausalLM needs the model's
+prepare_inputs_for_generation, which those classes lack (peft/peft_model.py)."""
+PEFT_SAVED_HEADS = ("classifier", "score")
+"""Under SEQ_CLS / TOKEN_CLS peft trains, beside the adapters, every module whose qualified name ends
+in one of these (peft 0.21 peft_model.py PeftModelForSequenceClassification.__init__ /
+PeftModelForTokenClassification.__init__: classifier_module_names, appended to modules_to_save;
+utils/other.py _set_trainable: `key.endswith(target_key)`, so DistilBERT's pre_classifier too)."""
+
+
+def task_class(task: str, lm_class: str) -> str:
+    """The Auto class a plan's --task trains: its classifier (TASK_CLASSES), else the model's LM class
+    (ModelSpec.auto_class, auto_class_for)."""
+    return TASK_CLASSES.get(task, lm_class)
+
+
+def peft_task_type(auto_class: str) -> str | None:
+    """The peft task_type a LoraConfig for a model of `auto_class` carries (PEFT_TASK_TYPES)."""
+    return PEFT_TASK_TYPES.get(auto_class)
+
+
+def peft_saved_params(model, auto_class: str) -> int:
+    """Parameters of the modules peft wraps in ModulesToSaveWrapper for a model of `auto_class`
+    under LoRA (PEFT_SAVED_HEADS; 0 for the LMs). ModulesToSaveWrapper.update deep-copies each
+    (peft/utils/other.py: `self.modules_to_save[adapter_name] = copy.deepcopy(self.original_module)`),
+    freezes the original and trains the copy: the run holds these parameters twice, and the copy's
+    gradients and optimizer states. A match nested in an earlier match is inside its copy already."""
+    if peft_task_type(auto_class) not in ("SEQ_CLS", "TOKEN_CLS"):
+        return 0
+    matched: list[str] = []
+    total = 0
+    for name, module in model.named_modules():
+        if name.endswith(PEFT_SAVED_HEADS) and not any(name.startswith(m + ".") for m in matched):
+            matched.append(name)
+            total += sum(p.numel() for p in module.parameters())
+    return total
+
 
 def label_shape(auto_class: str, micro_batch_size: int, seq_len: int, target_len: int = 0) -> tuple[int, ...]:
     """The labels of one micro-batch: a class per sequence (ForSequenceClassificationLoss,

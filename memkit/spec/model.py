@@ -120,6 +120,12 @@ class ModelSpec:
     encoder_layer_params: int = 0
     head_params: int
     """Everything after the last block: final norm, untied LM head or task head, pooler."""
+    head_matmul_params: int = 0
+    """A task head's linears after the blocks (pooler, classifier, score: weights and biases), which
+    the step time multiplies at the head's rows (estimate/throughput.py); 0 for language models."""
+    lora_saved_params: int = 0
+    """A classifier's head modules peft trains beside LoRA's adapters, as a full copy
+    (spec/hf_config.py peft_saved_params); 0 for language models."""
     hub_id: str = ""
     """Hugging Face hub id (catalog entry or cached hub model); '' for a local config."""
     config_path: str = ""

@@ -72,9 +72,6 @@ AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq
 _MAPPINGS = {"seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
              "seq-cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
              "token-cls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
-PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "seq-cls": "SEQ_CLS", "token-cls": "TOKEN_CLS"}
-"""peft TaskType of each data task: SEQ_CLS / TOKEN_CLS also train the new head (peft's
-PeftModelForSequenceClassification / ...TokenClassification put classifier / score in modules_to_save)."""
 
 
 def data_task(plan: TrainingPlan, config):
@@ -199,8 +196,8 @@ def apply_plan(model, plan: TrainingPlan, task: str = "causal-lm"):
             raise MemkitError(f"LoRA targets {missing} are not modules of this model; try some of {linears}")
         from memkit.emit.trainer import lora_config
 
-        # the fields the bundle's adapter_config.json holds; the task type from the model the runner built
-        config = LoraConfig(**{**lora_config(plan), "task_type": PEFT_TASK_TYPES[task]})
+        # the fields the bundle's adapter_config.json holds, the task type of the model the runner built
+        config = LoraConfig(**lora_config(plan, model_class=AUTO_CLASSES[task]))
         model = get_peft_model(model, config)
     return model
 

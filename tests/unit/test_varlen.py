@@ -158,3 +158,21 @@ def test_cli_data_prints_both_segment_settings(tmp_path):
     # byte tokenizer: prompt + " y" + EOS = n + 3 tokens
     assert v["samples"] == 4 and v["longest_sample"] == 203 and v["steps"] == 2
     assert v["expandable_segments"]["reserved_peak_bytes"] <= v["default_segments"]["reserved_peak_bytes"]
+
+
+@pytest.mark.parametrize("task", ["seq-cls", "token-cls"])
+def test_one_length_replays_the_plans_task_head(task):
+    """The replay prices the plan's --task head (a classifier's labels per sequence / per token, not
+    the masked-LM head), as the fixed-shape estimate does (spec/generic.py task_spec)."""
+    from memkit.spec.hf import spec_from_config
+
+    bert = spec_from_config({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 5000,
+                             "max_position_embeddings": 256}, name="bert")
+    plan = TrainingPlan(micro_batch_size=2, seq_len=128, task=task, num_labels=3)
+    hw = Hardware(gpu=find_gpu("a100-80gb"))
+    fixed = estimate_memory(bert, plan, hw)
+    v = estimate_varlen(bert, plan, hw, [128, 128], expandable_segments=False)
+    assert v.allocated_peak_bytes == fixed.allocated_peak_bytes
+    assert fixed.allocated_peak_bytes < estimate_memory(bert, TrainingPlan(micro_batch_size=2, seq_len=128),
+                                                        hw).allocated_peak_bytes  # no b x s x 5000 logits
