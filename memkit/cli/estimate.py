@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from memkit.spec.hf import load_model_spec
     from memkit.spec.stack import parse_stack
 
-    model = load_model_spec(args.model)
+    model = load_model_spec(args.model, trust_remote_code=args.trust_remote_code)
     if args.device == "cpu" and not (args.gpu or args.gpu_memory):  # a CPU run's memory is the host's RAM
         args.gpu_memory = args.host_ram or "64GiB"
     hardware = hardware_from_args(args)
