@@ -571,6 +571,7 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
             approx.append(f"LoRA trainable params {have:,} vs published {want:,}")
 
     clip = {"gradient_clipping": float(record["gradient_clipping"])} if "gradient_clipping" in record else {}
+    alloc_conf = _alloc_conf(record)
     gpu = _gpu(record)
     if not gpu:
         gpu = "a100-80gb"
@@ -584,11 +585,21 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
         dp=dp, tp=tp, pp=pp, tp_engine="tp_plan" if engine == "torch" else "autotp",
         sequence_parallel=sequence_parallel,
         pp_schedule=pp_schedule, fsdp_use_orig_params=_use_orig_params(fsdp), loss=loss, loss_path=loss_path,
-        optimizer_in_backward=bool(record.get("optimizer_in_backward")), **clip, **lora_kw)
+        optimizer_in_backward=bool(record.get("optimizer_in_backward")), alloc_conf=alloc_conf, **clip, **lora_kw)
     alternatives = [("no-AC", replace(plan, checkpointing="none"))] if selective else []
     if model.kind == "encoder-decoder" and "target 64" in (record.get("seq_len_note") or ""):
         alternatives.append(("all at 64", replace(plan, seq_len=64)))
     return plan, hardware, alternatives
+
+
+def _alloc_conf(record: dict) -> str:
+    """The CUDA allocator a published run used (TrainingPlan.alloc_conf): the record's own
+    "alloc_conf" when it states one, else torch's default segments: no source states a
+    PYTORCH_CUDA_ALLOC_CONF with its figures (SOURCES.md, SOURCES_holdout_memory.md) and most predate
+    expandable_segments (torch 2.1, c10/cuda/CUDACachingAllocator.cpp Note [Expandable Segments]).
+    Unsure: torchtitan's run_llama_train.sh exported expandable_segments:True in later 2024 commits
+    (pytorch/torchtitan 9628a18), and its benchmark file does not say how its runs were launched."""
+    return record.get("alloc_conf", "default")
 
 
 def _use_orig_params(fsdp: str) -> bool:
