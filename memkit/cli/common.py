@@ -12,6 +12,10 @@ from memkit.units import format_bytes, parse_bytes
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="catalog name (memkit models), a config.json or its folder, or a cached hub id")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="a config with auto_map (the model ships its own code): build and trace the model "
+                        "folder's modeling_*.py, as transformers runs it with trust_remote_code=True; without "
+                        "it memkit prices the families it maps (Qwen-1) from the config alone and runs nothing")
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from memkit.spec.hf import load_model_spec
     from memkit.spec.stack import parse_stack
 
-    model = load_model_spec(args.model)
+    model = load_model_spec(args.model, trust_remote_code=args.trust_remote_code)
     if args.device == "cpu" and not (args.gpu or args.gpu_memory):  # a CPU run's memory is the host's RAM
         args.gpu_memory = args.host_ram or "64GiB"
     hardware = hardware_from_args(args)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
              f"{', activations offloaded to cpu' if plan.offload_activations != 'none' else ''}"
              f"{', optimizer in backward' if plan.optimizer_in_backward else ''}")
     print(render_breakdown(est, title=title))
-    if (line := alloc_conf_note()):
+    if (line := alloc_conf_note(plan.alloc_conf)):
         print(line)
     for line in approximations:
         print(f"  approximated: {line}")
@@ -180,16 +180,19 @@ def render_varlen(v: dict) -> str:
     return "\n".join(lines)
 
 
-def alloc_conf_note(environ=None) -> str:
-    """One line when this shell's PYTORCH_CUDA_ALLOC_CONF differs from the default segments the
-    fixed-shape estimate prices (--lengths / --data price both settings)."""
+def alloc_conf_note(priced: str, environ=None) -> str:
+    """One line when this shell's PYTORCH_CUDA_ALLOC_CONF runs another allocator than the one the
+    estimate priced (`priced`, TrainingPlan.alloc_conf); unset runs memkit's runner's choice."""
     import os
 
+    from memkit.plan.plan import ALLOC_CONF_ENV, alloc_conf_of
+
     user = (os.environ if environ is None else environ).get("PYTORCH_CUDA_ALLOC_CONF")
-    if user is None or "expandable_segments:true" not in user.replace(" ", "").lower():
+    if user is None or alloc_conf_of(user) == priced:
         return ""
-    return (f"note: PYTORCH_CUDA_ALLOC_CONF={user!r} here; this estimate prices default segments "
-            "(--lengths/--data price expandable segments too)")
+    return (f"note: PYTORCH_CUDA_ALLOC_CONF={user!r} here runs {alloc_conf_of(user)} segments; this estimate "
+            f"prices --alloc-conf {priced} ({ALLOC_CONF_ENV[priced] or 'unset'}): pass --alloc-conf "
+            f"{alloc_conf_of(user)} to price yours")
 
 
 def _calibrated(est, plan, device: str, stack):

@@ -38,9 +38,17 @@ default): 600 s of TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the save plus a minute for
 SHUTDOWN_LINE = ("# On SIGTERM torchrun gives workers this long to write their checkpoint before SIGKILL\n"
                  "# (torch/distributed/launcher/api.py; its default is 30 s).\n"
                  'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"')
-ALLOC_LINE = ("# The CUDA allocator configuration memkit's runner sets (memkit/train/main.py ALLOC_CONF);\n"
-              "# a value already set is kept.\n"
-              'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"')
+def alloc_line(alloc_conf: str = "expandable") -> str:
+    """The CUDA allocator the plan was priced with (TrainingPlan.alloc_conf, plan/plan.py ALLOC_CONF_ENV),
+    exported for every rank; a value already set is kept (the runner then says it differs)."""
+    from memkit.plan.plan import ALLOC_CONF_ENV
+
+    env = ALLOC_CONF_ENV[alloc_conf]
+    if not env:
+        return "# The plan was priced with torch's default allocator segments: PYTORCH_CUDA_ALLOC_CONF stays unset."
+    return (f"# The CUDA allocator configuration the plan was priced with (--alloc-conf {alloc_conf});\n"
+            "# a value already set is kept.\n"
+            f'export PYTORCH_CUDA_ALLOC_CONF="${{PYTORCH_CUDA_ALLOC_CONF:-{env}}}"')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     # ds_path is absolute (memkit.cli.launching.deepspeed_file): every node launches from its own cwd
     body = dict(config=str(Path(config_file).resolve()), num_machines=num_machines, per_node=per_node,
                 port=args.port, python=args.python, entry=entry, finetune_args=finetune_args,
-                ds_config=str(ds_path) if ds_path is not None else None)
+                ds_config=str(ds_path) if ds_path is not None else None, alloc_conf=plan.alloc_conf)
     text = (slurm_script(**body, cpus_per_node=args.cpus_per_node, signal_lead_s=args.signal_lead) if args.slurm
             else hostfile_script(hosts=hosts, **body))
     from memkit.fileio import temp_beside
@@ -175,7 +183,8 @@ def _args_array(finetune_args: list[str]) -> str:
 
 def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, python: str,
                  entry: list[str], finetune_args: list[str], ds_config: str | None = None,
-                 cpus_per_node: int | None = None, signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S) -> str:
+                 cpus_per_node: int | None = None, signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S,
+                 alloc_conf: str = "expandable") -> str:
     """The sbatch script. Stops (memkit.train.loop.StopFlag): scancel / preemption SIGTERM every
     process of the job at once (the ranks ignore the repeats and save once); SIGUSR1 comes
     signal_lead_s before the time limit to the batch shell only (`B:`, sbatch man page, --signal),
@@ -206,7 +215,7 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
         "set -euo pipefail",
         f"cd {shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
-        ALLOC_LINE,
+        alloc_line(alloc_conf),
         'export MEMKIT_MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MEMKIT_MASTER_PORT={port}",
         # torchrun relays SIGUSR1 to the ranks instead of dying of it (memkit.train.supervise.launcher_env).
@@ -239,7 +248,8 @@ def slurm_script(*, config: str, num_machines: int, per_node: int, port: int, py
 
 
 def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_node: int, port: int,
-                    python: str, entry: list[str], finetune_args: list[str], ds_config: str | None = None) -> str:
+                    python: str, entry: list[str], finetune_args: list[str], ds_config: str | None = None,
+                    alloc_conf: str = "expandable") -> str:
     node = _launch_line(python=python, config=config, num_machines=num_machines, per_node=per_node,
                         rank='"$MACHINE_RANK"', addr='"$MASTER_ADDR"', port='"$MASTER_PORT"', entry=entry,
                         ds_config=ds_config)
@@ -256,7 +266,7 @@ def hostfile_script(*, hosts: list[str], config: str, num_machines: int, per_nod
         'RUN_ID="${MEMKIT_RUN_ID:-$(date +%s)-$$}"',
         f"WORKDIR={shlex.quote(os.getcwd())}",
         SHUTDOWN_LINE,
-        ALLOC_LINE,
+        alloc_line(alloc_conf),
         _args_array(finetune_args),
         'if [[ "${1:-}" == "--node" ]]; then',
         '  : "${MACHINE_RANK:?set MACHINE_RANK to the index of this host in HOSTS}"',

@@ -98,7 +98,7 @@ def request_from_args(args: argparse.Namespace):
     data = resolve_seq_len(args)
     knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan/plan.py's knobs
     task = TrainingPlan(**{name: knobs[name] for name in TASK_FIELDS}).validate()
-    model = task_spec(load_model_spec(args.model), task)  # the task's head and lengths (spec/generic.py)
+    model = task_spec(load_model_spec(args.model, trust_remote_code=args.trust_remote_code), task)  # the task's head and lengths (spec/generic.py)
     hardware = hardware_from_args(args)
     knobs.update(lora_targets=lora_targets(args.lora_targets, model) if args.lora_rank else TrainingPlan().lora_targets,
                  optimizer_in_backward=bool(args.optimizer_in_backward), double_quant=not args.no_double_quant,

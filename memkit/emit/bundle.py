@@ -315,11 +315,19 @@ def readme(document: dict, *, out_dir: str) -> str:
 
 
 def alloc_conf_lines(plan: dict) -> list[str]:
-    """The allocator setting memkit's runner sets itself (memkit/train/main.py set_alloc_conf); a
-    script of one's own exports it."""
-    return ["launch/finetune.py sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` unless you set it "
-            "(batches of changing shapes then strand no cached segments); with a training script of your own, "
-            "export it first:", "", "```", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "```", ""]
+    """The allocator the plan was priced with (TrainingPlan.alloc_conf): memkit's runner sets it itself
+    (memkit/train/main.py set_alloc_conf); a script of one's own exports it."""
+    from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan
+
+    setting = plan.get("alloc_conf", TrainingPlan().alloc_conf)
+    if not ALLOC_CONF_ENV[setting]:
+        return ["This plan was priced with torch's default allocator segments (`--alloc-conf default`): leave "
+                "`PYTORCH_CUDA_ALLOC_CONF` unset (launch/finetune.py then sets nothing).", ""]
+    env = ALLOC_CONF_ENV[setting]
+    return [f"This plan was priced with `PYTORCH_CUDA_ALLOC_CONF={env}` (`--alloc-conf {setting}`); "
+            "launch/finetune.py sets it unless you set it (batches of changing shapes then strand no cached "
+            "segments); with a training script of your own, export it first:", "", "```",
+            f"export PYTORCH_CUDA_ALLOC_CONF={env}", "```", ""]
 
 
 def trainer_section(document: dict, *, out_dir: str) -> list[str]:

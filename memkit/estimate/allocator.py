@@ -22,7 +22,9 @@ Rules from pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp (DeviceCachingAlloc
   the least recently reused ones first; this model frees all whole free segments -- a bound);
 - expandable_segments (Note [Expandable Segments]): one segment per pool that grows by pages,
   2 MiB for the small pool and 20 MiB for the large pool, mapped at the end; the tail is unmapped
-  when memory runs out.
+  when memory runs out. get_free_block() ranks the free tail by its expandable size (its own plus
+  the unmapped address space behind it), so any other fitting block goes first; the max_split_size
+  rules still apply, and a tail they refuse is handed out whole by try_allocate_expandable_block().
 
 max_memory_allocated() is the peak of allocated block sizes; max_memory_reserved() the peak of
 segment sizes. `caching=False` models the CPU allocator (c10/core/impl/alloc_cpu.cpp: each
@@ -184,10 +186,16 @@ class CachingAllocator:
         i = bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
+        tail = self.expandable.get(small)
+        if tail is not None and pool[i][1] == tail.addr and i + 1 < len(pool):
+            # get_free_block() with expandable segments: best fit by the size a block can expand to,
+            # its own plus the unmapped rest of the segment behind it, so the free tail is passed over
+            # for the next block in size order (any other block's expandable size is its size)
+            i += 1
         addr = pool[i][1]
         block = self.blocks[addr]
         limit = self.cfg.max_split_size
-        if limit is not None and not self.cfg.expandable_segments:
+        if limit is not None:  # get_free_block(): the oversize rules hold with expandable segments too
             if size < limit <= block.size:
                 return None
             if size >= limit and block.size >= size + K_LARGE_BUFFER:
@@ -255,7 +263,9 @@ class CachingAllocator:
         page = K_SMALL_BUFFER if small[1] else K_LARGE_BUFFER
         tail = self.expandable.get(small)
         have = tail.size if (tail is not None and tail.free) else 0
-        add = -(-(size - have) // page) * page
+        # try_allocate_expandable_block(): a free tail already as large as the request is taken as it is
+        # (get_free_block() refused it as oversize, max_split_size); else map the missing pages
+        add = max(0, -(-(size - have) // page) * page)
         self._grow(add)
         if tail is not None and tail.free:
             self._pool_remove(tail)

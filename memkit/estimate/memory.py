@@ -383,13 +383,15 @@ def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, 
         trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
                      steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
     events = moment_events(timeline, chunks, streams)
-    stats = replay(events, AllocatorConfig(caching=cuda))
+    # the allocator the plan states (TrainingPlan.alloc_conf: memkit's runner sets expandable_segments)
+    expandable = cuda and plan.alloc_conf == "expandable"
+    stats = replay(events, AllocatorConfig(caching=cuda, expandable_segments=expandable))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
     if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
         # Over the capacity only through the cache: torch frees its cached segments and retries a
         # failing cudaMalloc; if that rescues the run, reserved is what it holds then, else report
         # what it needed (allocated > capacity runs out whatever the cache does).
-        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity))
+        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity, expandable_segments=expandable))
         if not capped.ran_out:
             stats = capped
     return stats, outside

@@ -39,7 +39,7 @@ from functools import lru_cache
 
 from memkit.errors import MemkitError
 from memkit.spec.hf_config import (AUTO_CLASSES, TASK_CLASSES, auto_class_for, block_lists, build_config,  # noqa: F401
-                                   label_shape, layer_count_keys, peft_task_type)
+                                   label_shape, layer_count_keys, peft_task_type, remote_kwargs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,12 +283,13 @@ def from_config(auto, hf_config, attn: str, dtype):
     attention it runs, and a note saying so (or ''). The measured step builds with the same rule."""
     import transformers
 
+    code = remote_kwargs(hf_config)  # --trust-remote-code: the model folder's own classes
     try:
-        return auto.from_config(hf_config, attn_implementation=attn, dtype=dtype), attn, ""
+        return auto.from_config(hf_config, attn_implementation=attn, dtype=dtype, **code), attn, ""
     except ValueError as exc:  # e.g. Gemma2 in transformers 5 has no SDPA path
         if attn != "sdpa":
             raise
-        model = auto.from_config(hf_config, attn_implementation="eager", dtype=dtype)
+        model = auto.from_config(hf_config, attn_implementation="eager", dtype=dtype, **code)
         return model, "eager", (f"{hf_config.model_type} has no SDPA path in transformers "
                                 f"{transformers.__version__}: traced with eager attention "
                                 f"({str(exc).splitlines()[0][:60]})")

@@ -139,7 +139,7 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     single = {}
     for length in sorted(set(steps)):
         trace: dict = {}
-        shaped = replace(plan, seq_len=length)
+        shaped = replace(plan, seq_len=length, alloc_conf="expandable" if expandable_segments else "default")
         shaped.validate()
         single[length] = _stage(model, shaped, hardware, 0, device, stack, None, trace)
         traces[length] = trace

@@ -32,6 +32,20 @@ TpEngine = Literal["autotp", "tp_plan"]
 Task = Literal["causal-lm", "seq-cls", "token-cls"]
 PpEngine = Literal["torch", "deepspeed"]
 PpSchedule = Literal["1f1b", "gpipe"]
+AllocConf = Literal["expandable", "default"]
+ALLOC_CONF_ENV = {"expandable": "expandable_segments:True", "default": ""}
+"""The PYTORCH_CUDA_ALLOC_CONF each TrainingPlan.alloc_conf stands for (c10/cuda/CUDAAllocatorConfig.cpp
+parses it when the allocator initialises; '' = unset, torch's default segments). memkit's runner sets
+the expandable one unless the user set theirs (memkit/train/main.py), bundles and launch scripts export it."""
+
+
+def alloc_conf_of(value: str | None) -> str:
+    """The plan setting a PYTORCH_CUDA_ALLOC_CONF value runs: 'expandable' when it turns
+    expandable_segments on (c10/cuda/CUDAAllocatorConfig.cpp parseExpandableSegments: "True"), else
+    'default'; None (unset) is 'default'."""
+    if value is None:
+        return "default"
+    return "expandable" if "expandable_segments:true" in value.replace(" ", "").lower() else "default"
 PRECISIONS = get_args(Precision)
 OPTIMIZERS = get_args(Optimizer)
 OFFLOADS = get_args(Offload)
@@ -114,6 +128,9 @@ _LOSS_PATH_HELP = ("who computes the loss on the logits: hf (default: the model 
                    "for your transformers version), ce-16bit (your own cross_entropy on 16-bit logits), upcast "
                    "(your code or model upcasts the logits to fp32 and the loop holds them through backward); "
                    "memkit's chunked loss and liger are --loss chunked / --loss fused")
+_ALLOC_HELP = ("the CUDA allocator the run uses: expandable (default: PYTORCH_CUDA_ALLOC_CONF="
+               "expandable_segments:True, which memkit's runner sets and its bundles export) or default "
+               "(torch's default segments: your own script without that setting)")
 _TASK_HELP = ("causal-lm (default: the model's own LM head, masked/seq2seq LM for encoders/encoder-decoders), "
               "seq-cls or token-cls (a classification head of --num-labels)")
 _TARGET_LEN_HELP = "encoder-decoders (T5, BART): decoder tokens per sequence (default 0: --seq-len)"
@@ -161,6 +178,10 @@ class TrainingPlan:
         "estimate": _OIB_HELP, "pin": _OIB_HELP, "run": _OIB_HELP})
     """Each parameter steps in its post-accumulate-grad hook; one gradient alive at a time
     (memkit/plan/backward_techniques.py states what it cannot run with)."""
+    alloc_conf: AllocConf = knob("expandable", cli={"estimate": _ALLOC_HELP, "workload": _ALLOC_HELP, "run": _ALLOC_HELP})
+    """The CUDA caching allocator the run uses (ALLOC_CONF_ENV): 'expandable' (memkit's runner, bundles and
+    launch scripts set expandable_segments:True) or 'default' (torch's segments: a run that sets nothing).
+    The estimate's allocator replay prices it (estimate/allocator.py)."""
     attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
                                              "run": None, "launch": {"choices": ("eager", "sdpa")}})
     micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),

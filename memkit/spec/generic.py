@@ -4,8 +4,9 @@ Sizes come from transformers' own config class (its attribute_map resolves n_emb
 to the standard names), parameter counts and linears from the model built on the meta device
 (exact by construction: accelerate's init_empty_weights idea), and the activations from the
 traced path (estimate/traced.py), which `ModelSpec.traced` switches on. A config whose
-model_type transformers does not know (remote code memkit does not run) is priced as a
-Llama-style block from its sizes, and the spec says so in `approximations`.
+model_type transformers does not know ships its own code: spec/hf.py prices the families it maps
+(REMOTE_FAMILIES) without running it; the others are built from the model folder's code only under
+--trust-remote-code (spec/hf_config.py REMOTE_CODE_KEY), and refused in one line otherwise.
 Imports torch/transformers lazily, only when hf.py meets a model type it does not model by hand.
 """
 from __future__ import annotations
@@ -28,10 +29,11 @@ _TP = {"q": "column", "k": "column", "v": "column", "qkv": "column", "gate": "co
 def generic_fields(config: dict, source: str, auto_class: str | None = None) -> dict:
     """ModelSpec fields (hf.spec_from_config adds name and num_params) for `config`, built as its
     language model or as `auto_class` (a task head: spec/hf_config.py TASK_CLASSES)."""
-    from memkit.spec.hf_config import auto_class_for, block_lists, build_config, peft_saved_params
+    from memkit.spec.hf_config import (REMOTE_CODE_KEY, auto_class_for, block_lists, build_config,
+                                       peft_saved_params)
 
-    if not _known_to_transformers(config["model_type"]):
-        return _remote_code_fields(config, source)
+    if REMOTE_CODE_KEY not in config and not _known_to_transformers(config["model_type"]):
+        _refuse_remote_code(config, source)
     hf_config = build_config(config)
     lm_class = auto_class_for(hf_config)
     auto_class = auto_class or lm_class
@@ -134,31 +136,37 @@ def _known_to_transformers(model_type: str) -> bool:
     return model_type in CONFIG_MAPPING
 
 
-def _remote_code_fields(config: dict, source: str) -> dict:
-    """No transformers class (the model ships remote code, which memkit does not run): a Llama-style
-    pre-norm block (transformers/models/llama/modeling_llama.py) from the config's sizes."""
+def _refuse_remote_code(config: dict, source: str) -> None:
+    """No transformers class and no mapping in spec/hf.py REMOTE_FAMILIES: the model's code ships with it,
+    and memkit runs it only when asked (--trust-remote-code)."""
     import transformers
 
-    from memkit.spec.hf import llama_like_fields
+    from memkit.spec.hf import REMOTE_FAMILIES
 
-    try:
-        fields = llama_like_fields(config, source)
-    except MemkitError as exc:
-        raise MemkitError(f"model_type {config['model_type']!r} is not in transformers {transformers.__version__} "
-                          f"(remote code memkit does not run), so memkit prices it as a Llama-style block from its "
-                          f"sizes, but {exc}") from None
-    fields["extra"] = {**fields.get("extra", {}), "approximations": (
-        f"model_type {config['model_type']!r} is not in transformers (remote code, not run): parameters and "
-        "activations priced as a Llama-style block from the config's sizes",)}
-    return fields
+    arch = ",".join(map(str, config.get("architectures") or [])) or "no architectures"
+    raise MemkitError(f"{source}: model_type {config['model_type']!r} ({arch}) is not in transformers "
+                      f"{transformers.__version__} and memkit has no mapping for it (mapped remote-code families: "
+                      f"{', '.join(sorted(REMOTE_FAMILIES))}); pass --trust-remote-code with the model folder "
+                      "(its config.json and modeling_*.py) to build and trace its own code, or a config of a "
+                      "family memkit knows")
 
 
 def _meta_model(hf_config, auto_class: str):
     import torch
     import transformers
 
-    with torch.device("meta"):
-        return getattr(transformers, auto_class).from_config(hf_config)
+    from memkit.spec.hf_config import remote_kwargs
+
+    code = remote_kwargs(hf_config)
+    try:
+        with torch.device("meta"):
+            return getattr(transformers, auto_class).from_config(hf_config, **code)
+    except Exception as exc:
+        if not code:
+            raise
+        # the model folder's own code, run as --trust-remote-code asked: any failure is its own
+        raise MemkitError(f"--trust-remote-code: the model code of {hf_config.model_type!r} failed to build "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
 
 
 def _linear_in_out(model) -> tuple[tuple[str, int], ...]:

@@ -64,13 +64,14 @@ def find_catalog_model(name: str) -> CatalogModel | None:
 
 # ---------------------------------------------------------------- resolution
 
-def load_model_spec(name_or_path: str) -> ModelSpec:
-    """A ModelSpec of the model `name_or_path` names (memkit.spec.resolve, the one resolver)."""
+def load_model_spec(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
+    """A ModelSpec of the model `name_or_path` names (memkit.spec.resolve, the one resolver);
+    trust_remote_code: spec_from_config's."""
     from memkit.spec.resolve import resolve_model
 
     source = resolve_model(name_or_path)
     return spec_from_config(_read_json(source.config_path), name=source.name, hub_id=source.hub_id,
-                            config_path=str(source.config_path))
+                            config_path=str(source.config_path), trust_remote_code=trust_remote_code)
 
 
 def _read_json(path: Path) -> dict:
@@ -245,14 +246,6 @@ def _llama_like(c: _Cfg, *, architecture, hidden_act, tie_default, kv_default=No
         block=block or Block(softmax_fp32=True, qk_norm=qk_norm))
 
 
-def llama_like_fields(config: dict, source: str) -> dict:
-    """A Llama-style block from a config's sizes (the remote-code fallback of spec/generic.py)."""
-    c = _Cfg(config, source)
-    return _llama_like(c, architecture=str((config.get("architectures") or ["?"])[0]),
-                       hidden_act=c.get("hidden_act", default="silu"),
-                       tie_default=bool(c.get("tie_word_embeddings", default=False)))
-
-
 def _llama(c):
     # llama/configuration_llama.py defaults; attention_bias and mlp_bias switch every projection's bias.
     return _llama_like(c, architecture="LlamaForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
@@ -335,6 +328,49 @@ def _phi3(c):
     spec["hidden_dropout"] = c.num("resid_pdrop", 0.0)
     spec["extra"]["embedding_dropout"] = c.num("embd_pdrop", 0.0)
     return spec
+
+
+# ---------------------------------------------------------------- remote-code families, mapped (issue 20)
+# Configs whose model code ships with the checkpoint (`auto_map`, trust_remote_code): memkit does not run
+# that code by default; each family here is the structure of its modeling file, read from the config's keys.
+
+def _qwen1(c):
+    """Qwen-1 (model_type 'qwen', QWenLMHeadModel; Qwen/Qwen-7B modeling_qwen.py and configuration_qwen.py):
+    QWenAttention c_attn = Linear(H, 3 * kv_channels * heads) with bias, c_proj = Linear(H, kv_channels *
+    heads, bias=not no_bias); QWenMLP w1, w2 = Linear(H, intermediate_size // 2) each (a1 * silu(a2): w2 is
+    the gate), c_proj = Linear(intermediate_size // 2, H), all bias=not no_bias; QWenBlock ln_1, ln_2 and
+    QWenModel ln_f are RMSNorm (weight only); wte Embedding(V, H); lm_head Linear(H, V, bias=False), untied.
+    QWenConfig defaults: kv_channels 128, intermediate_size 22016, no_bias true, tie_word_embeddings false."""
+    h, n_layers, n_heads, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    kv_channels = c.pos_int("kv_channels", 128)
+    inter = c.pos_int("intermediate_size", 22016) // 2  # QWenMLP: intermediate_size // 2 per branch
+    if kv_channels * n_heads != h:  # QWenAttention splits c_attn's output by hidden_size (split_size)
+        raise MemkitError(f"{c.source}: kv_channels={kv_channels} x num_attention_heads={n_heads} != "
+                          f"hidden_size={h}; Qwen-1's attention needs them equal: fix the config")
+    bias = not c.flag("no_bias", True)
+    linears = (_lin("c_attn", h, 3 * h, True, "qkv", "column"), _lin("c_proj", h, h, bias, "o", "row"),
+               _lin("w2", h, inter, bias, "gate", "column"), _lin("w1", h, inter, bias, "up", "column"),
+               _lin("c_proj", inter, h, bias, "down", "row"))
+    tie = c.flag("tie_word_embeddings", False)
+    return _common(
+        c, architecture="QWenLMHeadModel", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=kv_channels, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 8192, "seq_length"),
+        hidden_act="silu", gated_mlp=True, norm_type="rmsnorm", position_embedding="rope",
+        attention_dropout=c.num("attn_dropout_prob", 0.0), hidden_dropout=0.0, tie_word_embeddings=tie,
+        layer_linears=linears, embedding_params=vocab * h, layer_params=_sum(linears) + 2 * h,
+        head_params=h + (0 if tie else vocab * h), extra={"embedding_dropout": c.num("emb_dropout_prob", 0.0)},
+        # QWenAttention._attn: softmax in the scores' dtype unless softmax_in_fp32; SDPA on torch 2
+        block=Block(softmax_fp32=c.flag("softmax_in_fp32", False)))
+
+
+REMOTE_FAMILIES = {
+    "qwen": (_qwen1, "a Llama-style decoder with the config's sizes (fused c_attn q/k/v with bias, SwiGLU MLP "
+                     "of intermediate_size/2 per branch, RMSNorm, untied head) because model_type 'qwen' "
+                     "(QWenLMHeadModel) ships remote code memkit does not run"),
+}
+"""model_type -> (the family's fields, what it is priced as and why): remote-code families memkit maps
+without running their code. Others need --trust-remote-code (spec/generic.py)."""
 
 
 # ---------------------------------------------------------------- decoder families, LayerNorm
@@ -586,10 +622,13 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
 
 def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: str = "",
-                     auto_class: str | None = None, traced: bool = False) -> ModelSpec:
+                     auto_class: str | None = None, traced: bool = False,
+                     trust_remote_code: bool = False) -> ModelSpec:
     """A ModelSpec from the dict of a config.json (`name` is what the user called it). `auto_class`
     (a task head) or `traced`: counted and traced from transformers' module (spec/generic.py) even
-    for a family modelled by hand."""
+    for a family modelled by hand. `trust_remote_code` (--trust-remote-code): a config with an
+    `auto_map` is built from its folder's own code and traced, as transformers runs it then; without
+    it a remote-code family is priced by its mapping (REMOTE_FAMILIES) or refused (spec/generic.py)."""
     source = config_path or name
     model_type = config.get("model_type")
     if not model_type:
@@ -599,6 +638,15 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
         raise MemkitError(f"{source} is a multimodal gemma3 config; memkit estimates its language model: save "
                           "its text_config (model_type gemma3_text) as a config.json and pass that")
     family = _FAMILIES.get(model_type)
+    if trust_remote_code and isinstance(config.get("auto_map"), dict):
+        config = _with_remote_code(config, source, config_path)
+        family = None
+    elif family is None and model_type in REMOTE_FAMILIES and not (auto_class or traced):
+        mapped, priced_as = REMOTE_FAMILIES[model_type]
+        fields = mapped(_Cfg(config, source))
+        fields["extra"]["approximations"] = (
+            f"priced as {priced_as}; pass --trust-remote-code to build and trace the model's own code",)
+        return _spec(fields, name=name, model_type=model_type, hub_id=hub_id, config_path=config_path)
     if family is None or auto_class or traced:
         block = family(_Cfg(config, source)).get("block") if family is not None else None
         # Not modelled by hand: sizes from transformers' config class, counts from a meta-device build,
@@ -612,6 +660,20 @@ def spec_from_config(config: dict, *, name: str, hub_id: str = "", config_path: 
         fields = family(_Cfg(config, source))
         # the config itself, for a task head built from it (spec/generic.py task_spec)
         fields["extra"] = {**fields.get("extra", {}), "source_config": json.dumps(config, sort_keys=True)}
+    return _spec(fields, name=name, model_type=model_type, hub_id=hub_id, config_path=config_path)
+
+
+def _with_remote_code(config: dict, source: str, config_path: str) -> dict:
+    """`config` marked to be built by its folder's own code (spec/hf_config.py REMOTE_CODE_KEY)."""
+    from memkit.spec.hf_config import REMOTE_CODE_KEY
+
+    if not config_path:
+        raise MemkitError(f"--trust-remote-code: {source} is not a config.json in a model folder; pass the "
+                          "folder that holds its config.json and the modeling_*.py its auto_map names")
+    return {**config, REMOTE_CODE_KEY: str(Path(config_path).parent)}
+
+
+def _spec(fields: dict, *, name: str, model_type: str, hub_id: str, config_path: str) -> ModelSpec:
     num_params = (fields["embedding_params"] + fields["num_layers"] * fields["layer_params"]
                   + fields.get("num_encoder_layers", 0) * fields.get("encoder_layer_params", 0)
                   + fields["head_params"])

@@ -25,6 +25,8 @@ def build_hf_config(config: dict, *, missing_type: str | None = None, unbuildabl
     from transformers import AutoConfig
 
     data = {k: v for k, v in config.items() if not (drop_private and k.startswith("_"))}
+    if REMOTE_CODE_KEY in data:
+        return _remote_config(data[REMOTE_CODE_KEY])
     if "model_type" not in data and missing_type is not None:
         raise MemkitError(missing_type)
     model_type = data.pop("model_type")
@@ -39,6 +41,32 @@ def build_hf_config(config: dict, *, missing_type: str | None = None, unbuildabl
     except (ValueError, KeyError, StrictDataclassError) as exc:
         raise MemkitError(unbuildable.format(model_type=model_type, exc=exc, where=where,
                                              reason=" ".join(str(exc).split()))) from None
+
+
+REMOTE_CODE_KEY = "memkit_remote_code_folder"
+"""Set in a config dict (spec/hf.py spec_from_config, under --trust-remote-code) to the model folder whose
+own configuration/modeling code builds it: transformers' AutoConfig.from_pretrained(folder,
+trust_remote_code=True) runs that code (transformers/dynamic_module_utils.py get_class_from_dynamic_module)."""
+
+
+def _remote_config(folder: str):
+    """The config the model folder's own code builds (--trust-remote-code), marked so that every
+    from_config of it passes trust_remote_code too (remote_kwargs)."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    except Exception as exc:  # the model's own code, run as the user asked: any failure is its
+        raise MemkitError(f"--trust-remote-code: the config code in {folder} failed ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]}); check the folder holds the model's "
+                          "configuration_*.py and modeling_*.py named by auto_map") from None
+    hf_config.memkit_remote_code = True
+    return hf_config
+
+
+def remote_kwargs(hf_config) -> dict:
+    """from_config's trust_remote_code for a config the model's own code built (_remote_config)."""
+    return {"trust_remote_code": True} if getattr(hf_config, "memkit_remote_code", False) else {}
 
 
 def build_config(config: dict):
@@ -59,6 +87,14 @@ def auto_class_for(hf_config) -> str:
     import transformers
 
     order = list(AUTO_CLASSES)
+    if remote_kwargs(hf_config):  # the model's own classes, as its auto_map names them
+        auto_map = getattr(hf_config, "auto_map", None) or {}
+        for name in order:
+            if name in auto_map:
+                return name
+        raise MemkitError(f"--trust-remote-code: the auto_map of model_type {hf_config.model_type!r} names no "
+                          f"{', '.join(AUTO_CLASSES)} class ({', '.join(auto_map) or 'empty'}); memkit estimates "
+                          "language-model training")
     if getattr(hf_config, "is_encoder_decoder", False):
         order.remove("AutoModelForSeq2SeqLM")
         order.insert(0, "AutoModelForSeq2SeqLM")

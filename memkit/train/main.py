@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memkit.errors import MemkitError
-from memkit.plan.plan import TrainingPlan, add_knob_flags, knob_values
+from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan, add_knob_flags, alloc_conf_of, knob_values
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
 
@@ -301,30 +301,29 @@ def _oom_report(args, where: str, message: str) -> None:
     sys.stderr.write(f"finetune: out of memory on rank {rank} at {where}: {message}\n")
 
 
-ALLOC_CONF = "expandable_segments:True"
-"""What the runner sets PYTORCH_CUDA_ALLOC_CONF to when the user has not set it, before CUDA starts
+ALLOC_CONF = ALLOC_CONF_ENV["expandable"]
+"""What the runner sets PYTORCH_CUDA_ALLOC_CONF to for a plan priced with expandable segments (the
+default, TrainingPlan.alloc_conf) when the user has not set it, before CUDA starts
 (c10/cuda/CUDAAllocatorConfig.cpp parses it when the allocator initialises): one growing segment
-per pool, so batches of changing shapes do not strand cached segments. `memkit estimate
---lengths/--data` prices it next to the default segments (estimate/varlen.py)."""
+per pool, so batches of changing shapes do not strand cached segments."""
 
 
-def set_alloc_conf(environ=os.environ) -> str:
-    """Set PYTORCH_CUDA_ALLOC_CONF to ALLOC_CONF unless the user set it; return a one-line note
-    when the user's setting differs from what memkit priced (else '')."""
+def set_alloc_conf(environ=os.environ, wanted: str = "expandable") -> str:
+    """Set PYTORCH_CUDA_ALLOC_CONF to the plan's setting (`wanted`, TrainingPlan.alloc_conf) unless the
+    user set it; return a one-line note when the user's setting differs from the priced one (else '')."""
     user = environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if user is None:
-        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+        if ALLOC_CONF_ENV[wanted]:
+            environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF_ENV[wanted]
         return ""
-    if "expandable_segments:true" in user.replace(" ", "").lower():
+    if alloc_conf_of(user) == wanted:
         return ""
-    return (f"PYTORCH_CUDA_ALLOC_CONF={user!r} is yours and kept; memkit's runner sets {ALLOC_CONF} "
-            "(with default segments, batches of changing shapes can reserve more)")
+    return (f"PYTORCH_CUDA_ALLOC_CONF={user!r} is yours and kept; the plan was priced with --alloc-conf {wanted} "
+            f"({ALLOC_CONF_ENV[wanted] or 'unset'}), so the run's reserved memory can differ from the estimate")
 
 
 def main(argv: list[str] | None = None) -> int:
     from memkit.validate import check_args, harden
-
-    alloc_note = set_alloc_conf()
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
     add_arguments(parser)
@@ -346,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"finetune: error: {exc}\n")
         return exc.exit_code
     run = prepared.run
+    # before CUDA starts (prepare builds no CUDA tensor): the allocator the plan was priced with
+    wanted = prepared.plan.alloc_conf if prepared.plan is not None else (prepared.flags.get("alloc_conf")
+                                                                          or TrainingPlan().alloc_conf)
+    alloc_note = set_alloc_conf(wanted=wanted)
     if rank == 0 and alloc_note:
         sys.stderr.write(f"finetune: {alloc_note}\n")
     if rank == 0 and prepared.init_note:

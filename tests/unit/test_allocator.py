@@ -122,3 +122,43 @@ def test_blocks_are_reused_only_on_their_stream():
     assert alloc.reserved == 80 * MIB
     alloc.malloc("c", 40 * MIB, 0)     # the compute stream can
     assert alloc.reserved == 80 * MIB
+
+
+def test_expandable_best_fit_passes_over_the_free_tail():
+    # c10/cuda/CUDACachingAllocator.cpp get_free_block(): with expandable segments a block is ranked by
+    # its expandable size (its size + the unmapped space behind it), so the free tail goes last.
+    # Hand-worked (large pool, 20 MiB pages): a 40 -> 2 pages, a=[0,40); b 10 -> 1 page, b=[40,50),
+    # tail [50,60) free; free a -> hole [0,40). c 8: by size the tail (10) fits best, but its
+    # expandable size is unbounded, so c takes the hole: c=[0,8), hole [8,40). d 10: the tail again
+    # loses to the hole: d=[8,18), hole [18,40) of 22 MiB. e 30: nothing mapped fits; the tail maps one
+    # more page (10 + 20 = 30): reserved 80 MiB. (Plain best fit would have put c and d in the tail
+    # and e in the 30 MiB hole: 60 MiB.)
+    alloc = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    alloc.malloc("a", 40 * MIB)
+    alloc.malloc("b", 10 * MIB)
+    assert alloc.reserved == 60 * MIB
+    alloc.free("a")
+    alloc.malloc("c", 8 * MIB)
+    assert alloc.live["c"][0].addr == 0
+    alloc.malloc("d", 10 * MIB)
+    assert alloc.live["d"][0].addr == 8 * MIB and alloc.reserved == 60 * MIB
+    alloc.malloc("e", 30 * MIB)
+    assert alloc.live["e"][0].addr == 50 * MIB and alloc.reserved == 80 * MIB and alloc.segments == 1
+
+
+def test_expandable_segments_keep_the_max_split_rules():
+    # get_free_block(): "Do not return an oversized block" holds with expandable segments as well;
+    # try_allocate_expandable_block() then maps pages at the segment's end -- or, when the refused
+    # block is the free tail (followed by unmapped space), hands that same block out.
+    cfg = AllocatorConfig(expandable_segments=True, max_split_size=64 * MIB)
+    alloc = CachingAllocator(cfg)
+    alloc.malloc("x", 100 * MIB)      # 5 pages, x=[0,100)
+    alloc.malloc("y", 20 * MIB)       # 1 page, y=[100,120): no free tail
+    alloc.free("x")                   # an interior 100 MiB hole, oversize (>= 64 MiB)
+    alloc.malloc("s", 30 * MIB)       # below max_split: the hole is refused; 2 pages mapped at 120
+    assert alloc.live["s"][0].addr == 120 * MIB and alloc.reserved == 160 * MIB
+    tail = CachingAllocator(cfg)
+    tail.malloc("big", 100 * MIB)
+    tail.free("big")                  # the whole segment is the free tail
+    tail.malloc("small", 30 * MIB)    # refused as oversize by best fit, taken by the expandable path
+    assert tail.reserved == 100 * MIB and tail.live["small"][0].addr == 0

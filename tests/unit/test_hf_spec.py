@@ -287,8 +287,11 @@ def test_bad_model_names(arg, match, tmp_path, monkeypatch):
     ('[1, 2]', r"holds a JSON list, not a config object"),
     ({"hidden_size": 64}, r"has no model_type; .*supported: bert, bloom"),
     # (issue #14: a type transformers builds, e.g. mamba, is no longer refused: it is traced)
-    ({"model_type": "no_such_type", "hidden_size": 64}, r"model_type 'no_such_type' is not in transformers .*"
-                                                        r"lacks num_hidden_layers, num_attention_heads"),
+    # remote code memkit has no mapping for (spec/hf.py REMOTE_FAMILIES): refused, naming the fix
+    ({"model_type": "no_such_type", "hidden_size": 64}, r"model_type 'no_such_type' \(no architectures\) is not "
+                                                        r"in transformers .*pass --trust-remote-code"),
+    ({"model_type": "qwen", "hidden_size": 64}, r"\(model_type qwen\) lacks num_hidden_layers, num_attention_heads, "
+                                                 r"vocab_size"),
     ({"model_type": "llama", "hidden_size": 64}, r"lacks num_hidden_layers, num_attention_heads, "
                                                   r"intermediate_size, vocab_size"),
     ({**TINY, "hidden_size": "big"}, r"hidden_size='big' must be a positive integer"),
