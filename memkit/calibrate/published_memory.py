@@ -594,16 +594,16 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
 
 def _alloc_conf(record: dict) -> str:
     """The CUDA allocator a published run used (TrainingPlan.alloc_conf): the record's own
-    "alloc_conf" when it states one, else torch's default segments: no source states a
-    PYTORCH_CUDA_ALLOC_CONF with its figures (SOURCES.md, SOURCES_holdout_memory.md) and most predate
-    expandable_segments (torch 2.1, c10/cuda/CUDACachingAllocator.cpp Note [Expandable Segments]).
-    Known exception, kept at default segments so the dev figures stay comparable (issue 20): the
-    torchtitan rows ran torchtitan 9dec370, whose run_llama_train.sh (its documented launcher) exports
-    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (added in pytorch/torchtitan a5e57e4,
-    2024-10-22); the benchmark file does not state the launch. Priced as expandable, those 20 rows read
-    12.8 % median |err|, -7.2 % signed (5.0 %, +2.8 % now) and the dev set 5.6 % / -1.3 % / 15.8 %
-    beyond the headroom / 80.3 % under the bound (4.5 / +1.4 / 2.6 / 92.1 now)."""
-    return record.get("alloc_conf", "default")
+    "alloc_conf" when it states one; torchtitan's rows 'expandable' (they ran torchtitan 9dec370,
+    whose documented launcher run_llama_train.sh exports PYTORCH_CUDA_ALLOC_CONF=
+    "expandable_segments:True", added in pytorch/torchtitan a5e57e4, 2024-10-22); else torch's
+    default segments: no other source states a PYTORCH_CUDA_ALLOC_CONF with its figures (SOURCES.md,
+    SOURCES_holdout_memory.md) and most predate expandable_segments (torch 2.1,
+    c10/cuda/CUDACachingAllocator.cpp Note [Expandable Segments]). How an expandable run is priced:
+    memkit/estimate/memory.py EXPANDABLE_REPLAY_IN_ESTIMATES."""
+    if "alloc_conf" in record:
+        return record["alloc_conf"]
+    return "expandable" if framework_of(record["source_id"]) == "torchtitan" else "default"
 
 
 def _use_orig_params(fsdp: str) -> bool:

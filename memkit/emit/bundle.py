@@ -324,9 +324,11 @@ def alloc_conf_lines(plan: dict) -> list[str]:
         return ["This plan was priced with torch's default allocator segments (`--alloc-conf default`): leave "
                 "`PYTORCH_CUDA_ALLOC_CONF` unset (launch/finetune.py then sets nothing).", ""]
     env = ALLOC_CONF_ENV[setting]
-    return [f"This plan was priced with `PYTORCH_CUDA_ALLOC_CONF={env}` (`--alloc-conf {setting}`); "
-            "launch/finetune.py sets it unless you set it (batches of changing shapes then strand no cached "
-            "segments); with a training script of your own, export it first:", "", "```",
+    return [f"This plan runs with `PYTORCH_CUDA_ALLOC_CONF={env}` (`--alloc-conf {setting}`), priced by torch's "
+            "default-segment replay, the side measured runs bear out (memkit/estimate/memory.py, "
+            "EXPANDABLE_REPLAY_IN_ESTIMATES); launch/finetune.py sets it unless you set it (batches of changing "
+            "shapes then strand no cached segments); with a training script of your own, export it first:",
+            "", "```",
             f"export PYTORCH_CUDA_ALLOC_CONF={env}", "```", ""]
 
 

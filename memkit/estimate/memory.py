@@ -340,6 +340,20 @@ class _PhaseWalk:
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
 
 
+
+EXPANDABLE_REPLAY_IN_ESTIMATES = False
+"""Whether an estimate replays a plan that runs expandable segments (TrainingPlan.alloc_conf, what
+memkit's runner sets) through allocator.py's expandable-segments rules. Not yet: such a plan is priced
+by the default-segment replay. The one measured source that ran expandable_segments:True,
+torchtitan's 20 dev rows (its run_llama_train.sh at 9dec370 exports it; pytorch/torchtitan a5e57e4),
+reads 12.8 % median |err| and -7.2 % signed (under) through the expandable replay, against 5.0 % and
++2.8 % through the default one; with them priced expandable the dev set falls from 4.5 % / +1.4 % /
+2.6 % beyond the headroom to 5.6 % / -1.3 % / 15.8 % (benchmarks/memory_accuracy.py, 2026-12-03).
+A plan sized by the expandable replay would run out where the default replay's would not, so that
+replay serves `estimate --lengths/--data` (which prints both settings) until measured expandable runs
+on a GPU calibrate it."""
+
+
 def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, capacity_bytes: int | None,
               trace: dict | None):
     """(the replay's stats, the bytes outside the allocator) for the steady-state step: the run's
@@ -383,8 +397,8 @@ def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, 
         trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
                      steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
     events = moment_events(timeline, chunks, streams)
-    # the allocator the plan states (TrainingPlan.alloc_conf: memkit's runner sets expandable_segments)
-    expandable = cuda and plan.alloc_conf == "expandable"
+    # the allocator the plan states (TrainingPlan.alloc_conf), replayed as EXPANDABLE_REPLAY_IN_ESTIMATES says
+    expandable = cuda and plan.alloc_conf == "expandable" and EXPANDABLE_REPLAY_IN_ESTIMATES
     stats = replay(events, AllocatorConfig(caching=cuda, expandable_segments=expandable))
     capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
     if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:

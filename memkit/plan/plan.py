@@ -181,7 +181,7 @@ class TrainingPlan:
     alloc_conf: AllocConf = knob("expandable", cli={"estimate": _ALLOC_HELP, "workload": _ALLOC_HELP, "run": _ALLOC_HELP})
     """The CUDA caching allocator the run uses (ALLOC_CONF_ENV): 'expandable' (memkit's runner, bundles and
     launch scripts set expandable_segments:True) or 'default' (torch's segments: a run that sets nothing).
-    The estimate's allocator replay prices it (estimate/allocator.py)."""
+    How the estimate prices it: memkit/estimate/memory.py EXPANDABLE_REPLAY_IN_ESTIMATES."""
     attention: Attention = knob("sdpa", cli={"estimate": None, "workload": "attention kernel (default sdpa)",
                                              "run": None, "launch": {"choices": ("eager", "sdpa")}})
     micro_batch_size: int = knob(1, range=(1, MAX_MICRO_BATCH, "sequences per GPU per step"),

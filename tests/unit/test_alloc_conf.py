@@ -54,19 +54,24 @@ def test_bundle_readme_and_launch_scripts_export_the_priced_setting():
     assert "export" not in alloc_line("default")
 
 
-def test_the_estimate_prices_the_stated_allocator():
-    # the same step through expandable segments (one growing segment per pool, 20 MiB pages) and torch's
-    # default segments: the same tensors (phase-walk components); expandable always splits a block at
-    # 512 B (should_split), so no unsplit remainder counts as allocated, and its segment strands no
-    # slivers: less reserved
+def test_an_expandable_run_is_priced_by_the_default_replay():
+    # memory.py EXPANDABLE_REPLAY_IN_ESTIMATES: the expandable replay read 7.2 % low on the measured
+    # expandable runs (torchtitan), so the fixed-shape estimate prices either setting by the default
+    # replay; the expandable rules still run in the variable-length replay, where the same step
+    # (one growing segment per pool, 20 MiB pages; always split at 512 B) strands no slivers
+    from memkit.estimate.memory import EXPANDABLE_REPLAY_IN_ESTIMATES
+    from memkit.estimate.varlen import estimate_varlen
+
     model = load_model_spec("llama-3.2-1b")
     hw = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=1)
     plan = TrainingPlan(engine="torch", micro_batch_size=2, seq_len=1024, lora_rank=8)
     exp, dflt = (estimate_memory(model, plan.with_(alloc_conf=a), hw) for a in ("expandable", "default"))
-    assert {k: v for k, v in exp.components.items() if k != "allocator_rounding"} == \
-        {k: v for k, v in dflt.components.items() if k != "allocator_rounding"}
-    assert exp.allocated_peak_bytes <= dflt.allocated_peak_bytes
-    assert exp.reserved_peak_bytes < dflt.reserved_peak_bytes
+    assert not EXPANDABLE_REPLAY_IN_ESTIMATES
+    assert (exp.components, exp.reserved_peak_bytes, exp.nvidia_smi_peak_bytes) == \
+        (dflt.components, dflt.reserved_peak_bytes, dflt.nvidia_smi_peak_bytes)
+    grown, segments = (estimate_varlen(model, plan, hw, [1024], expandable_segments=e) for e in (True, False))
+    assert grown.allocated_peak_bytes <= segments.allocated_peak_bytes
+    assert grown.reserved_peak_bytes < segments.reserved_peak_bytes
     cpu = [estimate_memory(model, plan.with_(alloc_conf=a), hw, device="cpu").reserved_peak_bytes
            for a in ("expandable", "default")]
     assert cpu[0] == cpu[1]  # the CPU allocator has no segments
