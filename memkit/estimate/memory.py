@@ -111,19 +111,45 @@ def estimate_stages(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     """One estimate per pipeline stage (a single one without pipeline parallelism). Stages that
     differ only in index share a computation: what matters is (blocks, in-flight micro-batches,
     first, last)."""
+    return _per_stage(model, plan, hardware,
+                      lambda m, k: _stage(m, plan, hardware, k, device, stack, capacity_bytes))
+
+
+def _per_stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, price) -> list:
+    """`price(model, stage)` of every pipeline stage, after the checks every estimate makes; stages
+    with the same (blocks, in-flight micro-batches, first, last) share one call."""
     plan.validate()
     hardware.validate()
     model = task_spec(model, plan)  # the task's head and lengths (spec/generic.py)
     check_parallel(model, plan, hardware)
     counts = stage_layers(model.total_layers, plan.pp)
-    cache: dict[tuple, MemoryEstimate] = {}
+    cache: dict[tuple, object] = {}
     out = []
     for k in range(plan.pp):
         key = (counts[k], in_flight(plan, k), k == 0, k == plan.pp - 1)
         if key not in cache:
-            cache[key] = _stage(model, plan, hardware, k, device, stack, capacity_bytes)
+            cache[key] = price(model, k)
         out.append(cache[key])
     return out
+
+
+def peak_floor_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *, device: str = "cuda",
+                     stack: Stack | None = None) -> int:
+    """A lower bound of estimate_memory(...).nvidia_smi_peak_bytes without the allocator replay:
+    the largest phase-walk peak of any stage plus the bytes outside the allocator. It holds by
+    construction (_stage): a stage's allocated peak is max(replayed, phase-walk peak), reserved is
+    at least allocated, nvidia-smi is reserved + the outside bytes (the same for every stage), and
+    the estimate reports the stage with the largest allocated peak. The planner rejects a plan
+    whose floor is over its budget without replaying it (planner/search.py _Evaluator.fails);
+    tests/unit/test_memory_floor.py checks floor <= exact on a grid of plans. MemkitError as the
+    estimate raises it."""
+    def walked_peak(m: ModelSpec, k: int) -> int:
+        *_, walk, totals = _walked(m, plan, hardware, k, device, stack)
+        return max(totals.values()), walk
+
+    stages = _per_stage(model, plan, hardware, walked_peak)
+    peak, walk = max(stages, key=lambda s: s[0])
+    return int(peak + _outside_bytes(walk.c))
 
 
 def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankParams:
@@ -193,22 +219,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     inputs (timeline, chunks, streams, the bytes outside the allocator, and the slice of the
     timeline that is one steady-state step) for estimate/varlen.py, which strings steps of several
     shapes together."""
-    habits = behaviour(stack)
-    rp = rank_params(model, plan, stage)
-    c = StageContext(model=model, plan=plan, hardware=hardware, stage=stage, device=device, habits=habits,
-                     rp=rp, num=numerics(plan), first=stage == 0, last=stage == plan.pp - 1,
-                     n_layers=stage_layers(model.total_layers, plan.pp)[stage],
-                     blk=block_activations(model, plan, device=device))
-    t, technique_notes = stage_terms(c, model_states(plan, rp, device=device))
-    walk = _PhaseWalk(c, t)
-    phases, moments, first_grads = walk.phases()
-    cuda = device == "cuda"
-    workspace = cublas_workspace_bytes(hardware.gpu) if cuda else 0
-    if workspace:  # allocated through the caching allocator at the first matmul, kept for the run
-        for parts in [*phases.values(), *moments]:
-            if parts:
-                parts["cublas_workspace"] = workspace
-    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    c, t, technique_notes, phases, moments, first_grads, walk, totals = _walked(model, plan, hardware, stage,
+                                                                               device, stack)
     peak_phase = max(PHASES, key=lambda p: totals[p])
     components = {k: int(v) for k, v in phases[peak_phase].items() if v}
     stats, outside = _replayed(walk, phases, moments, first_grads, capacity_bytes, trace)
@@ -227,7 +239,39 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         num_params=model.num_params + lora, num_trainable_params=lora if plan.is_lora else model.num_params,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
         host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
-        notes=tuple([*habits.notes, *technique_notes]))
+        notes=tuple([*c.habits.notes, *technique_notes]))
+
+
+def _walked(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
+            stack: Stack | None):
+    """One stage's terms and phase walk, before the replay: (context, terms, the techniques' notes,
+    each phase's breakdown, the backward's moments, their first-micro-batch gradients, the walk,
+    each phase's total)."""
+    habits = behaviour(stack)
+    rp = rank_params(model, plan, stage)
+    c = StageContext(model=model, plan=plan, hardware=hardware, stage=stage, device=device, habits=habits,
+                     rp=rp, num=numerics(plan), first=stage == 0, last=stage == plan.pp - 1,
+                     n_layers=stage_layers(model.total_layers, plan.pp)[stage],
+                     blk=block_activations(model, plan, device=device))
+    t, technique_notes = stage_terms(c, model_states(plan, rp, device=device))
+    walk = _PhaseWalk(c, t)
+    phases, moments, first_grads = walk.phases()
+    workspace = cublas_workspace_bytes(hardware.gpu) if device == "cuda" else 0
+    if workspace:  # allocated through the caching allocator at the first matmul, kept for the run
+        for parts in [*phases.values(), *moments]:
+            if parts:
+                parts["cublas_workspace"] = workspace
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    return c, t, technique_notes, phases, moments, first_grads, walk, totals
+
+
+def _outside_bytes(c: StageContext) -> int:
+    """What the process holds on the device outside the caching allocator (cuda_extras.py); 0 on CPU."""
+    if c.device != "cuda":
+        return 0
+    eager = EAGER_KERNEL_IMAGES_BYTES if c.habits.eager_module_loading else 0
+    return outside_allocator_bytes(c.plan, c.hardware, context_bytes=c.hardware.gpu.cuda_context_bytes + eager,
+                                   eager_nvls=c.habits.eager_nvls)
 
 
 class _PhaseWalk:
@@ -382,9 +426,7 @@ def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, 
                             for seq in (first_step, step))
     timeline = [phases["init"], *first_step, *step, phases["checkpoint_save"]]
     cuda = c.device == "cuda"
-    eager = EAGER_KERNEL_IMAGES_BYTES if c.habits.eager_module_loading else 0
-    outside = outside_allocator_bytes(plan, hardware, context_bytes=hardware.gpu.cuda_context_bytes + eager,
-                                      eager_nvls=c.habits.eager_nvls) if cuda else 0
+    outside = _outside_bytes(c)
     # Side streams: FSDP2 / ZeRO-3 all-gather their parameters on their own stream
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py all_gather_stream;
     # deepspeed/runtime/zero/partitioned_param_coordinator.py), ZeRO-1/2 reduce gradient buckets

@@ -35,7 +35,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 
 from memkit.errors import MemkitError, NoFeasiblePlan
-from memkit.estimate.bounds import QUANTILE_LABEL
+from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
 from memkit.plan.parallel import split_name
@@ -66,7 +66,10 @@ class Candidate(_OfAPlan):
     speed: StepTimeEstimate
     tier: str
     micro_limit: str = ""
-    """Why the micro-batch is not larger ('' when the per-rank batch itself is the limit)."""
+    """Why the micro-batch is not larger ('' when the per-rank batch itself is the limit); filled
+    for the chosen plan (_with_limit: it may cost one memory estimate)."""
+    limit_plan: TrainingPlan | None = None
+    """The next larger micro-batch of the same structure, which does not fit (None: none larger)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,8 +144,13 @@ class _Evaluator:
         self._cache: dict[TrainingPlan, _Verdict] = {}
         from memkit.estimate.memory import estimate_memory
 
-        # The lower bound below is a fact about memkit's own estimator (a --stack partial of it too).
+        # The lower bounds below are facts about memkit's own estimator (a --stack partial of it too).
         self.bounded = estimate_memory in (estimator, getattr(estimator, "func", None))
+        keywords = getattr(estimator, "keywords", {})
+        self.floored = self.bounded and set(keywords) <= {"stack"}  # peak_floor_bytes prices the same
+        self._stack_kw = keywords.get("stack")
+        self.num_floored = 0
+        """Plans found not to fit by their peak floor alone (fails), without a memory estimate."""
 
     @property
     def num_calls(self) -> int:
@@ -190,6 +198,30 @@ class _Evaluator:
         self._cache[plan] = out
         return out
 
+    def fails(self, plan: TrainingPlan) -> bool:
+        """Whether `plan` does not fit: check(plan).reason != '', but first, for a plan not yet
+        estimated, its closed-form peak floor (estimate/memory.py peak_floor_bytes, <= the exact
+        nvidia-smi peak): over the budget, or with the upper-bound margin over the device, means it
+        does not fit either way, and the allocator replay is skipped. For the searches that only
+        need the verdict (the micro-batch and K bisections); a floored plan is estimated later
+        only if its reason is shown."""
+        if plan in self._cache or plan in self.memo.estimates or not self.floored:
+            return bool(self.check(plan).reason)
+        floor = self.memo.floors.get(plan)
+        if floor is None:
+            from memkit.estimate.memory import peak_floor_bytes
+
+            try:
+                floor = peak_floor_bytes(self.request.model, plan, self.request.hardware, stack=self._stack_kw)
+            except MemkitError:
+                floor = 0  # the estimator says it in its own words
+            self.memo.floors[plan] = floor
+        gpu_bytes = self.request.hardware.gpu.memory_bytes
+        if floor > self.budget or (self.fit_upper and int(floor * (1 + margin(plan))) > gpu_bytes):
+            self.num_floored += 1
+            return True
+        return bool(self.check(plan).reason)
+
     def speed(self, plan: TrainingPlan) -> StepTimeEstimate:
         """Memoised: the search asks for the same plan's step time several times (its bound, its
         micro-batch choice, the partial-checkpointing loop), and the model is a pure function."""
@@ -236,6 +268,8 @@ class _Memo:
     estimates: dict = field(default_factory=dict)
     """plan -> MemoryEstimate, or the estimator's refusal (its message)."""
     speeds: dict = field(default_factory=dict)
+    floors: dict = field(default_factory=dict)
+    """plan -> its peak floor (estimate/memory.py peak_floor_bytes), for _Evaluator.fails."""
     num_calls: int = 0
     """Memory estimates made (cache misses)."""
 
@@ -313,7 +347,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                              f"chose from the {tier.name} tier (pure bf16 / 8-bit AdamW / Adafactor)")
             found, risk_note = _prefer_low_risk(request, found)
             notes += [risk_note] if risk_note else []
-            chosen = found[0]
+            chosen = found[0] = _with_limit(ev, found[0])
             notes += _technique_notes(ev, chosen.plan)
             alternatives = _distinct(found[1:], chosen, num_alternatives)
             # Rejected plans that would have been faster: the "why not X?" the CLI answers.
@@ -334,6 +368,14 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
     raise _NothingFits(request, ev, all_rejected)
 
 
+def _with_limit(ev: "_Evaluator", cand: Candidate) -> Candidate:
+    """`cand` with its micro_limit in the evaluator's words: the next micro-batch's reason, exact
+    (the bisection may have rejected it on its peak floor alone, _Evaluator.fails)."""
+    if cand.limit_plan is None or cand.micro_limit:
+        return cand
+    return replace(cand, micro_limit=f"micro {cand.limit_plan.micro_batch_size}: {ev.check(cand.limit_plan).reason}")
+
+
 def _offloads(plan: TrainingPlan) -> bool:
     return plan.offload_optimizer != "none" or plan.offload_params != "none"
 
@@ -348,7 +390,7 @@ def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResu
     found, _rejected = _run(ev, structs, tier, keep=keep)
     if not found or found[0].speed.step_time_s >= offloaded.chosen.speed.step_time_s:
         return None
-    chosen = found[0]
+    chosen = _with_limit(ev, found[0])
     notes = [*notes, quantized_note(chosen.plan, offloaded.chosen), *_technique_notes(ev, chosen.plan)]
     return replace(offloaded, chosen=chosen,
                    alternatives=tuple([offloaded.chosen] + _distinct(found[1:], chosen, len(offloaded.alternatives))),
@@ -652,9 +694,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             continue
         lo = _largest_fitting(ev, s, micros)
         largest[s] = lo
-        limit = ""
-        if lo + 1 < len(micros):
-            limit = f"micro {micros[lo + 1]}: {ev.check(with_micro(s, micros[lo + 1])).reason}"
+        limit = with_micro(s, micros[lo + 1]) if lo + 1 < len(micros) else None
         times = [ev.speed(with_micro(s, m)).step_time_s for m in micros[:lo + 1]]
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
@@ -665,7 +705,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             plan, best = _partial_checkpointing(ev, s, micros, lo, plan, guess=min(guess, lo))
             guesses[like] = best
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
-                         micro_limit=limit if best == lo else "")
+                         limit_plan=limit if best == lo else None)
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)
         found.insert(pos, cand)
         found_times.insert(pos, cand.speed.step_time_s)
@@ -703,7 +743,7 @@ def _largest_fitting(ev: "_Evaluator", s: TrainingPlan, micros: list[int]) -> in
     lo, hi = 0, len(micros) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ev.check(with_micro(s, micros[mid])).reason:
+        if ev.fails(with_micro(s, micros[mid])):
             hi = mid - 1
         else:
             lo = mid
@@ -745,7 +785,7 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
             if not any(key(j, k) < beat for k in range(k_lo, k_hi + 1)):
                 return None
             mid = (k_lo + k_hi) // 2
-            if ev.check(at(j, mid)).reason:
+            if ev.fails(at(j, mid)):
                 k_lo = mid + 1
             else:
                 k_hi = mid
