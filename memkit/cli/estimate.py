@@ -155,15 +155,27 @@ def _varlen(args, model, plan, hardware, stack) -> dict | None:
 
 
 def data_lengths(data: str, model_arg: str, vocab_size: int) -> list[int]:
-    """Tokens per example of `data`, by the runner's tokenisation (memkit/train/data.py) with the
-    model folder's tokenizer when `model_arg` is a folder that has one."""
+    """Tokens per example of `data` (data_examples)."""
+    return data_examples(data, model_arg, vocab_size)[0]
+
+
+def data_examples(data: str, model_arg: str, vocab_size: int) -> tuple[list[int], str, str]:
+    """(tokens per example, the records' kind, what tokenized them) of `data`, by the runner's
+    tokenisation (memkit/train/data.py) with the tokenizer beside `model_arg` (a folder, or the
+    folder of a config.json) when it has one, else memkit's byte tokenizer (load_tokenizer)."""
     from pathlib import Path
 
-    from memkit.train.data import example_lengths
-    from memkit.train.tokenizer import load_tokenizer
+    from memkit.train.data import example_lengths_and_kind
+    from memkit.train.tokenizer import has_tokenizer, load_tokenizer
 
-    folder = Path(model_arg)
-    return example_lengths(data, load_tokenizer(folder if folder.is_dir() else None, vocab_size=vocab_size))
+    path = Path(model_arg).expanduser()
+    folder = path if path.is_dir() else path.parent if path.is_file() else None
+    folder = folder if folder is not None and has_tokenizer(folder) else None
+    lengths, kind = example_lengths_and_kind(data, load_tokenizer(folder, vocab_size=vocab_size))
+    by = ("the model folder's tokenizer" if folder is not None else
+          "memkit's byte tokenizer (no tokenizer at --model: lengths are bytes, longer than a real "
+          "tokenizer's; pass a model folder with its tokenizer)")
+    return lengths, kind, by
 
 
 def render_varlen(v: dict) -> str:

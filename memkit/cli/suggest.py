@@ -5,7 +5,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from memkit.cli.common import add_hardware_args, add_model_args, hardware_from_args, lora_targets
 from memkit.emit.plan_doc import DEFAULT_LR
@@ -95,10 +94,11 @@ def request_from_args(args: argparse.Namespace):
     from memkit.spec.generic import task_spec
     from memkit.spec.hf import load_model_spec
 
-    data = resolve_seq_len(args)
+    base = load_model_spec(args.model, trust_remote_code=args.trust_remote_code)
+    data = resolve_seq_len(args, base)
     knobs = {**knob_values(args, "workload"), **knob_values(args, "pin")}  # memkit/plan/plan.py's knobs
     task = TrainingPlan(**{name: knobs[name] for name in TASK_FIELDS}).validate()
-    model = task_spec(load_model_spec(args.model, trust_remote_code=args.trust_remote_code), task)  # the task's head and lengths (spec/generic.py)
+    model = task_spec(base, task)  # the task's head and lengths (spec/generic.py)
     hardware = hardware_from_args(args)
     knobs.update(lora_targets=lora_targets(args.lora_targets, model) if args.lora_rank else TrainingPlan().lora_targets,
                  optimizer_in_backward=bool(args.optimizer_in_backward), double_quant=not args.no_double_quant,
@@ -112,30 +112,21 @@ def request_from_args(args: argparse.Namespace):
     return request
 
 
-def resolve_seq_len(args: argparse.Namespace):
+def resolve_seq_len(args: argparse.Namespace, model) -> dict | None:
     """args.seq_len when given; else from --data (seq_len_for_lengths, the rule `memkit run
-    --seq-len from-data` applies), else the knob's default. Returns (lengths, kind, tokenizer
-    line) of --data, or None without it."""
+    --seq-len from-data` applies), else the knob's default. Returns the lengths, kind and
+    tokenizer of --data (cli/estimate.py data_examples) and the seq-len line, or None without it."""
     if getattr(args, "data", None) is None:
         if args.seq_len is None:
             args.seq_len = TrainingPlan().seq_len
         return None
-    from memkit.spec.hf import load_model_spec
-    from memkit.train.data import example_lengths_and_kind, seq_len_for_lengths
-    from memkit.train.tokenizer import has_tokenizer, load_tokenizer
+    from memkit.cli.estimate import data_examples
+    from memkit.train.data import seq_len_for_lengths
 
-    folder = Path(args.model).expanduser()
-    folder = folder if folder.is_dir() else folder.parent if folder.is_file() else None
-    spec = load_model_spec(args.model)
-    tokenizer = load_tokenizer(folder if folder is not None and has_tokenizer(folder) else None,
-                               vocab_size=spec.vocab_size)
-    lengths, kind = example_lengths_and_kind(args.data, tokenizer)
-    by = ("the model folder's tokenizer" if folder is not None and has_tokenizer(folder) else
-          "memkit's byte tokenizer (no tokenizer at --model: lengths are bytes, longer than a real "
-          "tokenizer's; pass a model folder with its tokenizer)")
+    lengths, kind, by = data_examples(args.data, args.model, model.vocab_size)
     line = None
     if args.seq_len is None:
-        args.seq_len, line = seq_len_for_lengths(lengths, kind, max_positions=spec.max_position_embeddings)
+        args.seq_len, line = seq_len_for_lengths(lengths, kind, max_positions=model.max_position_embeddings)
     return {"lengths": lengths, "kind": kind, "tokenized_by": by, "seq_len_line": line}
 
 

@@ -143,7 +143,7 @@ def peak_floor_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *
     whose floor is over its budget without replaying it (planner/search.py _Evaluator.fails);
     tests/unit/test_memory_floor.py checks floor <= exact on a grid of plans. MemkitError as the
     estimate raises it."""
-    def walked_peak(m: ModelSpec, k: int) -> int:
+    def walked_peak(m: ModelSpec, k: int) -> tuple[int, _PhaseWalk]:
         *_, walk, totals = _walked(m, plan, hardware, k, device, stack)
         return max(totals.values()), walk
 
@@ -382,7 +382,6 @@ class _PhaseWalk:
                         - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
                         "dequantized_weight": t.dequant,
                         "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
-
 
 
 EXPANDABLE_REPLAY_IN_ESTIMATES = False

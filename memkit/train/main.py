@@ -301,16 +301,12 @@ def _oom_report(args, where: str, message: str) -> None:
     sys.stderr.write(f"finetune: out of memory on rank {rank} at {where}: {message}\n")
 
 
-ALLOC_CONF = ALLOC_CONF_ENV["expandable"]
-"""What the runner sets PYTORCH_CUDA_ALLOC_CONF to for a plan priced with expandable segments (the
-default, TrainingPlan.alloc_conf) when the user has not set it, before CUDA starts
-(c10/cuda/CUDAAllocatorConfig.cpp parses it when the allocator initialises): one growing segment
-per pool, so batches of changing shapes do not strand cached segments."""
-
-
-def set_alloc_conf(environ=os.environ, wanted: str = "expandable") -> str:
-    """Set PYTORCH_CUDA_ALLOC_CONF to the plan's setting (`wanted`, TrainingPlan.alloc_conf) unless the
-    user set it; return a one-line note when the user's setting differs from the priced one (else '')."""
+def set_alloc_conf(environ=os.environ, wanted: str | None = None) -> str:
+    """Set PYTORCH_CUDA_ALLOC_CONF (c10/cuda/CUDAAllocatorConfig.cpp parses it when the allocator
+    initialises, so before CUDA starts) to the plan's setting (`wanted`, TrainingPlan.alloc_conf,
+    ALLOC_CONF_ENV; default the knob's) unless the user set it; return a one-line note when the user's
+    setting differs from the plan's (else '')."""
+    wanted = wanted or TrainingPlan().alloc_conf
     user = environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if user is None:
         if ALLOC_CONF_ENV[wanted]:
@@ -346,9 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     run = prepared.run
     # before CUDA starts (prepare builds no CUDA tensor): the allocator the plan was priced with
-    wanted = prepared.plan.alloc_conf if prepared.plan is not None else (prepared.flags.get("alloc_conf")
-                                                                          or TrainingPlan().alloc_conf)
-    alloc_note = set_alloc_conf(wanted=wanted)
+    alloc_note = set_alloc_conf(wanted=prepared.plan.alloc_conf if prepared.plan is not None
+                                else prepared.flags.get("alloc_conf"))
     if rank == 0 and alloc_note:
         sys.stderr.write(f"finetune: {alloc_note}\n")
     if rank == 0 and prepared.init_note:

@@ -10,11 +10,11 @@ from memkit.estimate.memory import estimate_memory
 from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan, alloc_conf_of
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
-from memkit.train.main import ALLOC_CONF, set_alloc_conf
+from memkit.train.main import set_alloc_conf
 
 
 def test_the_setting_each_value_runs():
-    assert TrainingPlan().alloc_conf == "expandable" and ALLOC_CONF == ALLOC_CONF_ENV["expandable"]
+    assert TrainingPlan().alloc_conf == "expandable" and ALLOC_CONF_ENV["expandable"] == "expandable_segments:True"
     assert alloc_conf_of(None) == "default" and alloc_conf_of("max_split_size_mb:128") == "default"
     assert alloc_conf_of("max_split_size_mb:512, expandable_segments:True") == "expandable"
     assert alloc_conf_of("expandable_segments:False") == "default"
