@@ -12,10 +12,15 @@ from memkit.units import format_bytes, parse_bytes
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="catalog name (memkit models), a config.json or its folder, or a cached hub id")
+    add_trust_remote_code(p, "build and trace the model folder's modeling_*.py; without it memkit prices the "
+                             "families it maps (Qwen-1) from the config alone and runs nothing")
+
+
+def add_trust_remote_code(p: argparse.ArgumentParser, what: str) -> None:
+    """--trust-remote-code, one flag for every command that reads a model (estimate, suggest, the runner)."""
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="a config with auto_map (the model ships its own code): build and trace the model "
-                        "folder's modeling_*.py, as transformers runs it with trust_remote_code=True; without "
-                        "it memkit prices the families it maps (Qwen-1) from the config alone and runs nothing")
+                   help="a config with auto_map (the model ships its own code), as transformers runs it with "
+                        f"trust_remote_code=True: {what}")
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ leaves --out as it was.
 A recipe is YAML with five sections; each key is the flag of the same name (`--num-gpus` is
 budget.num_gpus), and a flag given on the command line wins over the recipe:
 
-    model:    {name, init}                                   # name: --model
+    model:    {name, init, trust_remote_code}                # name: --model
     data:     {path, eval_data, eval_fraction, packing, truncate}   # path: --data
     budget:   {gpu, gpu_memory, num_gpus, num_nodes, host_ram}
     work:     {global_batch_size, seq_len, num_epochs, max_steps}
@@ -54,6 +54,8 @@ def _key(section, name, flag, kind, to, help_):
 KEYS = (
     _key("model", "name", "--model", str, "both", "catalog name, config.json / folder with weights, or hub id"),
     _key("model", "init", "--init", str, "train", "pretrained (default when the model has weights) or random"),
+    _key("model", "trust_remote_code", "--trust-remote-code", bool, "both", "run the model folder's own code "
+         "(a config with auto_map), to plan and to train"),
     _key("data", "path", "--data", str, "train", "training data (any `memkit train --data` format)"),
     _key("data", "eval_data", "--eval-data", str, "train", "held-out data for the eval loss"),
     _key("data", "eval_fraction", "--eval-fraction", float, "train", "hold out this fraction of the data"),

@@ -26,12 +26,20 @@ def build_hf_config(config: dict, *, missing_type: str | None = None, unbuildabl
 
     data = {k: v for k, v in config.items() if not (drop_private and k.startswith("_"))}
     if REMOTE_CODE_KEY in data:
-        return _remote_config(data[REMOTE_CODE_KEY])
+        return remote_config(data[REMOTE_CODE_KEY])
     if "model_type" not in data and missing_type is not None:
         raise MemkitError(missing_type)
     model_type = data.pop("model_type")
     if unbuildable is None:
         return AutoConfig.for_model(model_type, **data)
+    from transformers import CONFIG_MAPPING, __version__
+
+    if model_type not in CONFIG_MAPPING:  # transformers' own message lists every type it knows: hundreds
+        reason = f"transformers {__version__} has no model type {model_type!r}"
+        if isinstance(data.get("auto_map"), dict):  # the checkpoint ships its own code (remote_config)
+            reason += (f"; the config's auto_map names the model's own code ({', '.join(data['auto_map'])}): "
+                       "pass --trust-remote-code to run it")
+        raise MemkitError(unbuildable.format(model_type=model_type, exc=reason, where=where, reason=reason))
     try:
         from huggingface_hub.errors import StrictDataclassError  # transformers 5 config validators
     except ImportError:  # older huggingface_hub
@@ -49,7 +57,7 @@ own configuration/modeling code builds it: transformers' AutoConfig.from_pretrai
 trust_remote_code=True) runs that code (transformers/dynamic_module_utils.py get_class_from_dynamic_module)."""
 
 
-def _remote_config(folder: str):
+def remote_config(folder: str):
     """The config the model folder's own code builds (--trust-remote-code), marked so that every
     from_config of it passes trust_remote_code too (remote_kwargs)."""
     from transformers import AutoConfig
@@ -65,7 +73,7 @@ def _remote_config(folder: str):
 
 
 def remote_kwargs(hf_config) -> dict:
-    """from_config's trust_remote_code for a config the model's own code built (_remote_config)."""
+    """from_config's trust_remote_code for a config the model's own code built (remote_config)."""
     return {"trust_remote_code": True} if getattr(hf_config, "memkit_remote_code", False) else {}
 
 

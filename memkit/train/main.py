@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser, *, for_wrapper: bool = False) -> N
     p.add_argument("--init", choices=("pretrained", "random"), default=None,
                    help="pretrained: --model's weights (the default when it has them); random: fresh seeded "
                         "weights from its config (smoke tests; required for a catalog name without weights)")
+    from memkit.cli.common import add_trust_remote_code
+
+    add_trust_remote_code(p, "run the model folder's configuration_*.py and modeling_*.py to build the model "
+                             "(without it the runner refuses such a model, in one line)")
     p.add_argument("--data", required=not for_wrapper,
                    help=".jsonl/.json/.csv/.parquet/.txt or a datasets folder: text, prompt+completion, alpaca, "
                         "chat messages / ShareGPT (memkit.train.records); or synthetic[:N]")
@@ -160,7 +164,7 @@ def prepare(args: argparse.Namespace, *, launched: bool = True) -> Prepared:
     from memkit.train.split_checkpoint import check_resume_layout
 
     check_resume_layout(plan, args.resume, Path(args.output_dir))
-    config = load_config(source)
+    config = load_config(source, trust_remote_code=args.trust_remote_code)
     seq_len = flags["seq_len"] or (plan.seq_len if plan else None)
     if seq_len is None:
         raise MemkitError("no sequence length: pass --seq-len or a --plan")

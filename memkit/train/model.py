@@ -16,12 +16,16 @@ from memkit.spec.resolve import WEIGHT_FILES, ModelSource, resolve_model  # noqa
 
 
 
-def load_config(source: ModelSource):
-    """The transformers config, read from the local file (no hub access)."""
+def load_config(source: ModelSource, *, trust_remote_code: bool = False):
+    """The transformers config, read from the local file (no hub access). trust_remote_code
+    (--trust-remote-code) and a config whose auto_map names the model's own code: the config that code
+    builds (spec/hf_config.py remote_config), from which build_model builds the model's own classes."""
     from memkit.fileio import read_json_object
-    from memkit.spec.hf_config import build_hf_config
+    from memkit.spec.hf_config import build_hf_config, remote_config
 
     data = read_json_object(source.config_path, what="config file")
+    if trust_remote_code and isinstance(data.get("auto_map"), dict) and "AutoConfig" in data["auto_map"]:
+        return remote_config(str(source.folder))
     return build_hf_config(
         data, missing_type=f"{source.config_path} has no 'model_type'; is it a transformers config.json?",
         unbuildable="{where}: transformers cannot build model_type {model_type!r} ({reason})",
@@ -122,9 +126,16 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int, pretr
     from accelerate.utils import set_seed
     import transformers
 
+    from memkit.spec.hf_config import remote_kwargs
+
     auto_class = getattr(transformers, AUTO_CLASSES[task])
-    if task == "causal-lm" and not any(arch.endswith("ForCausalLM")
-                                       for arch in (config.architectures or ["?ForCausalLM"])):
+    remote = remote_kwargs(config)  # the model's own classes (load_config under --trust-remote-code)
+    if remote and AUTO_CLASSES[task] not in (getattr(config, "auto_map", None) or {}):
+        raise MemkitError(f"--model {source.name}: its auto_map names no {AUTO_CLASSES[task]} class "
+                          f"({', '.join(getattr(config, 'auto_map', None) or {}) or 'none'}); the runner trains "
+                          "the model class its own code declares for the task")
+    if task == "causal-lm" and not remote and not any(arch.endswith("ForCausalLM")
+                                                      for arch in (config.architectures or ["?ForCausalLM"])):
         raise MemkitError(f"--model {source.name} is a {config.architectures[0]}; the runner trains causal "
                           "language models (…ForCausalLM), encoder-decoders (…ForConditionalGeneration) and, "
                           "with --task seq-cls / token-cls, classifiers")
@@ -133,7 +144,7 @@ def build_model(source: ModelSource, config, *, attention: str, seed: int, pretr
         if getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = pad_token_id
     set_seed(seed)
-    kwargs = {"attn_implementation": HF_ATTN_IMPLEMENTATION[attention], "dtype": torch.float32}
+    kwargs = {"attn_implementation": HF_ATTN_IMPLEMENTATION[attention], "dtype": torch.float32, **remote}
     try:
         if pretrained and source.has_weights:
             model = auto_class.from_pretrained(str(source.folder), config=config, **kwargs)

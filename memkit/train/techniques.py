@@ -19,6 +19,9 @@ def apply_checkpointing(model, checkpointing: str, *, reentrant: bool = False) -
         return []
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    if not getattr(model, "supports_gradient_checkpointing", True):  # PreTrainedModel's flag; a remote model's own
+        raise MemkitError(f"--checkpointing {checkpointing}: {type(model).__name__} does not support activation "
+                          "checkpointing (its supports_gradient_checkpointing is False); plan with --checkpointing none")
     kwargs = {"use_reentrant": reentrant}
     if checkpointing == "selective":
         kwargs["context_fn"] = _selective_context

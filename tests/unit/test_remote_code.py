@@ -173,6 +173,9 @@ class TinyQwenLMHeadModel(PreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):  # QWenLMHeadModel defines one; peft's
+        return {"input_ids": input_ids}                            # PeftModelForCausalLM reads it
+
     def forward(self, input_ids, labels=None, **kwargs):
         x = self.wte(input_ids)
         for block in self.h:
@@ -223,3 +226,42 @@ def test_trust_remote_code_failure_is_one_line(remote_folder):
     (remote_folder / "modeling_tiny_qwen.py").write_text("raise RuntimeError('broken remote code')\n")
     with pytest.raises(MemkitError, match=r"--trust-remote-code: .*RuntimeError: broken remote code"):
         load_model_spec(str(remote_folder), trust_remote_code=True)
+
+
+def _finetune(folder, out, *extra):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "memkit.finetune", "--model", str(folder), "--data", "synthetic",
+                           "--output-dir", str(out), "--max-steps", "2", "--init", "random", "--seq-len", "32",
+                           *extra], capture_output=True, text=True, timeout=600)
+
+
+def test_the_runner_refuses_remote_code_without_the_flag_in_one_line(remote_folder, tmp_path):
+    out = tmp_path / "run"
+    proc = _finetune(remote_folder, out)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert "model_type 'qwen'" in line and "pass --trust-remote-code" in line and len(line) < 400
+    assert not out.exists()  # refused before the output folder is made
+
+
+@pytest.mark.slow  # a real 2-step run of the runner (one process)
+def test_the_runner_trains_the_folder_code_under_trust_remote_code(remote_folder, tmp_path):
+    out = tmp_path / "run"
+    proc = _finetune(remote_folder, out, "--trust-remote-code", "--lora-rank", "4", "--lora-targets", "c_attn")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    steps = [e for e in log if e.get("event") == "step"]
+    assert [e["step"] for e in steps] == [1, 2] and all(e["loss"] > 0 for e in steps)
+    # the saved folder carries the model's own code, so from_pretrained(..., trust_remote_code=True) loads it
+    assert (out / "final" / "modeling_tiny_qwen.py").is_file()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final"), trust_remote_code=True)
+    assert type(model).__name__ == "TinyQwenLMHeadModel"
+    assert sum(p.numel() for p in model.parameters()) == qwen1_params(64, 2, 344, 1000)
+    # checkpointing a model whose code does not support it: one line, not transformers' traceback
+    proc = _finetune(remote_folder, tmp_path / "ckpt", "--trust-remote-code", "--checkpointing", "full")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "does not support activation checkpointing" in proc.stderr and "--checkpointing none" in proc.stderr
