@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     doc = plan_doc.build(result, lr=args.lr)  # what plan.json holds (the presets hold the same)
     if stack is not None:  # the versions the plan was priced for (plan.json's "versions": this machine's)
         doc["stack"] = stack.to_dict()
+    if args.trust_remote_code:  # the bundle's commands pass it to the runner (emit/bundle.py _model_flags)
+        doc["trust_remote_code"] = True
     out_dir = bundle_dir(args.out, relative=args.relative_paths) if args.out else None
     if out_dir is not None and not args.relative_paths:
         doc["model"] = _absolute_if_path(args.model, doc["model"])

@@ -168,6 +168,15 @@ def model_argument(document: dict) -> str:
     return entry.hub_id if entry is not None and entry.hub_id else str(document["model"])
 
 
+def _model_flags(document: dict) -> str:
+    """--model, and --trust-remote-code when the plan was made under it (plan.json's trust_remote_code:
+    the runner builds the folder's own code only when told again, memkit/train/model.py load_config)."""
+    import shlex
+
+    trust = " --trust-remote-code" if document.get("trust_remote_code") else ""
+    return f"--model {shlex.quote(model_argument(document))}{trust}"
+
+
 def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
                    extra: str = "", smoke: bool = False) -> str:
     """The command that runs the bundle (the runner module memkit.finetune: `--help` lists its flags).
@@ -179,7 +188,7 @@ def launch_command(document: dict, *, out_dir: str, data: str = "train.jsonl",
     if smoke:  # its own folder: the real run then starts fresh
         data, extra, run = "synthetic", " --init random --max-steps 20" + extra, "smoke"
     return (f"accelerate launch --config_file {q(out_dir + '/accelerate.yaml')} -m memkit.finetune "
-            f"--plan {q(out_dir + '/plan.json')} --model {q(model_argument(document))} --data {q(data)} "
+            f"--plan {q(out_dir + '/plan.json')} {_model_flags(document)} --data {q(data)} "
             f"--output-dir {q(out_dir + '/' + run)}{extra}")
 
 
@@ -197,7 +206,7 @@ def train_command(document: dict, *, out_dir: str, data: str = "train.jsonl", ex
     run = "run"
     if smoke:
         data, extra, run = "synthetic", " --init random --max-steps 20" + extra, "smoke"
-    return (f"memkit train --plan {q(out_dir + '/plan.json')} --model {q(model_argument(document))} "
+    return (f"memkit train --plan {q(out_dir + '/plan.json')} {_model_flags(document)} "
             f"--data {q(data)} --output-dir {q(out_dir + '/' + run)} "
             f"--main-process-port {DEFAULT_MAIN_PROCESS_PORT}{extra}")
 

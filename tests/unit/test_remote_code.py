@@ -265,3 +265,25 @@ def test_the_runner_trains_the_folder_code_under_trust_remote_code(remote_folder
     proc = _finetune(remote_folder, tmp_path / "ckpt", "--trust-remote-code", "--checkpointing", "full")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "does not support activation checkpointing" in proc.stderr and "--checkpointing none" in proc.stderr
+
+
+def test_a_plan_made_under_trust_remote_code_passes_it_to_the_runner(remote_folder, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert main(["suggest", "--model", str(remote_folder), "--trust-remote-code", "--gpu", "rtx-4090",
+                 "--global-batch-size", "8", "--seq-len", "64", "--out", str(out)]) == 0
+    assert json.loads((out / "plan.json").read_text())["trust_remote_code"] is True
+    commands = [x for x in (out / "README.md").read_text().splitlines()
+                if x.startswith(("memkit train ", "accelerate launch "))]
+    assert len(commands) >= 3 and all(" --trust-remote-code " in c for c in commands)
+    # the runner's parser takes what the bundle passes (memkit.train.main.add_arguments)
+    import argparse
+    import shlex
+
+    from memkit.train.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    launch = next(c for c in commands if c.startswith("accelerate launch "))
+    argv = shlex.split(launch)
+    args, _ = parser.parse_known_args(argv[argv.index("memkit.finetune") + 1:])
+    assert args.trust_remote_code and args.model == str(remote_folder)
