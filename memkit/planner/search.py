@@ -215,27 +215,34 @@ class _Evaluator:
             return True
         return bool(self.check(plan).reason)
 
-    def floor_fails(self, plan: TrainingPlan) -> "_Verdict | None":
+    def floor_fails(self, plan: TrainingPlan, *, host_fits: bool = False) -> "_Verdict | None":
         """A device verdict from the peak floor alone (see fails), None when the floor does not
         decide. Its overshoot, floor / budget, is a lower bound of the exact verdict's (which is the
-        worst ratio, device peak / budget among them)."""
+        worst ratio, device peak / budget among them). host_fits: decide only where the estimate's
+        host RAM and NVMe bytes are known without it (one stage: estimate/memory.py
+        peak_floor_and_host) and fit, so that the verdict's host_fails (False) is the exact one."""
         if not self.floored:
             return None
-        floor = self.memo.floors.get(plan)
-        if floor is None:
-            from memkit.estimate.memory import peak_floor_bytes
+        floors = self.memo.floors.get(plan)
+        if floors is None:
+            from memkit.estimate.memory import peak_floor_and_host
 
             try:
-                floor = peak_floor_bytes(self.request.model, plan, self.request.hardware, stack=self._stack_kw)
+                floors = peak_floor_and_host(self.request.model, plan, self.request.hardware, stack=self._stack_kw)
             except MemkitError:
-                floor = 0  # the estimator says it in its own words
-            self.memo.floors[plan] = floor
+                floors = (0, None, None)  # the estimator says it in its own words
+            self.memo.floors[plan] = floors
+        floor, host, nvme = floors
         gpu_bytes = self.request.hardware.gpu.memory_bytes
-        if floor > self.budget or (self.fit_upper and int(floor * (1 + margin(plan))) > gpu_bytes):
-            return _Verdict(None, f"at least {floor / GIB:.1f} GiB (its peak floor) > {self.budget / GIB:.1f} GiB "
-                                  "budget or, with its upper-bound margin, the device", floor / self.budget, True,
-                            False)
-        return None
+        if not (floor > self.budget or (self.fit_upper and int(floor * (1 + margin(plan))) > gpu_bytes)):
+            return None
+        if host_fits:
+            hw = self.request.hardware
+            if host is None or host > hw.host_ram_bytes_per_node or (
+                    hw.nvme_bytes_per_node and nvme > hw.nvme_bytes_per_node):
+                return None
+        return _Verdict(None, f"at least {floor / GIB:.1f} GiB (its peak floor) > {self.budget / GIB:.1f} GiB "
+                              "budget or, with its upper-bound margin, the device", floor / self.budget, True, False)
 
     def structures(self, tier: Tier, layout: tuple[int, int, int]) -> list[TrainingPlan]:
         """planner.space.structures, memoised for the request (_Memo.structures)."""
@@ -739,6 +746,12 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             rejected.append(known)
             continue
         first = with_micro(s, micros[0])
+        # The floor may reject it (its host verdict exact, for the pruner's record); the rejection
+        # is then estimated only if shown (_exact, _by_overshoot).
+        floored = ev.floor_fails(first, host_fits=True) if first not in ev.memo.estimates else None
+        if floored is not None:
+            rejected.append(replace(_rejection(first, floored, bound), floored=True))
+            continue
         v = ev.check(first)
         if v.reason:
             rej = _rejection(first, v, bound)

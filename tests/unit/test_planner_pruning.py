@@ -199,3 +199,23 @@ def test_micro_batch_bisection_finds_the_scan_boundary_on_huge_batches():
         assert scan == lo, (s, micros, lo, scan)
         checked += 1
     assert checked >= 3
+
+
+def test_floor_host_bytes_are_the_estimates_for_one_stage():
+    """estimate/memory.py peak_floor_and_host: with pp = 1 its host RAM and NVMe bytes are the exact
+    estimate's (the search trusts them to skip a replay, _search_throughput), and its floor is
+    peak_floor_bytes, at most the exact nvidia-smi peak."""
+    from memkit.estimate.memory import peak_floor_and_host, peak_floor_bytes
+
+    req = _request("1b-a100")
+    hw = Hardware(gpu=find_gpu("a100-40gb"), num_gpus_per_node=2, nvme_bytes_per_node=2 * 10**12)
+    structs = _structures(req)
+    checked = set()
+    for s in structs[::5] + [s.with_(offload_optimizer="nvme", offload_params="nvme") for s in structs
+                             if s.zero_stage == 3][:2]:
+        est = estimate_memory(req.model, s, hw)
+        floor, host, nvme = peak_floor_and_host(req.model, s, hw)
+        assert (host, nvme) == (est.host_bytes_per_node, est.nvme_bytes_per_node), s
+        assert floor == peak_floor_bytes(req.model, s, hw) <= est.nvidia_smi_peak_bytes
+        checked.add((s.offload_optimizer, s.offload_params, s.offload_activations))
+    assert len(checked) >= 3
