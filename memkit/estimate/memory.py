@@ -143,13 +143,32 @@ def peak_floor_bytes(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *
     whose floor is over its budget without replaying it (planner/search.py _Evaluator.fails);
     tests/unit/test_memory_floor.py checks floor <= exact on a grid of plans. MemkitError as the
     estimate raises it."""
-    def walked_peak(m: ModelSpec, k: int) -> tuple[int, _PhaseWalk]:
+    return peak_floor_and_host(model, plan, hardware, device=device, stack=stack)[0]
+
+
+def peak_floor_and_host(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *, device: str = "cuda",
+                        stack: Stack | None = None) -> tuple[int, int | None, int | None]:
+    """(peak_floor_bytes, host_bytes_per_node, nvme_bytes_per_node): the floor, and for a plan of one
+    stage (pp = 1) the estimate's own host and NVMe bytes, which come from the same terms (_stage,
+    _host_nvme), not from the replay; None for both with pp > 1, where the estimate reports the stage
+    with the largest replayed peak."""
+    def walked_peak(m: ModelSpec, k: int) -> tuple[int, _PhaseWalk, ModelSpec]:
         *_, walk, totals = _walked(m, plan, hardware, k, device, stack)
-        return max(totals.values()), walk
+        return max(totals.values()), walk, m
 
     stages = _per_stage(model, plan, hardware, walked_peak)
-    peak, walk = max(stages, key=lambda s: s[0])
-    return int(peak + _outside_bytes(walk.c))
+    peak, walk, m = max(stages, key=lambda s: s[0])
+    floor = int(peak + _outside_bytes(walk.c))
+    if plan.pp > 1:
+        return floor, None, None
+    return (floor, *_host_nvme(m, plan, hardware, walk.t.st, device))
+
+
+def _host_nvme(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, st, device: str) -> tuple[int, int]:
+    """(host RAM, NVMe) bytes per node of one stage's estimate, from its model states `st`."""
+    host = _host_bytes(model, plan, hardware, st) + (
+        offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
+    return int(host), int(st.nvme * hardware.num_gpus_per_node)
 
 
 def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankParams:
@@ -228,9 +247,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     reserved = max(stats.reserved_peak_bytes, allocated)
     if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
         components["allocator_rounding"] = allocated - totals[peak_phase]
-    st = t.st
-    host = _host_bytes(model, plan, hardware, st) + (
-        offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
+    host, nvme = _host_nvme(model, plan, hardware, t.st, device)
     lora = model.lora_params(plan.lora_rank, plan.lora_targets) + model.lora_saved_params if plan.is_lora else 0
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
@@ -238,7 +255,7 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         device_total_bytes=hardware.gpu.memory_bytes,
         num_params=model.num_params + lora, num_trainable_params=lora if plan.is_lora else model.num_params,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
-        host_bytes_per_node=int(host), nvme_bytes_per_node=int(st.nvme * hardware.num_gpus_per_node),
+        host_bytes_per_node=host, nvme_bytes_per_node=nvme,
         notes=tuple([*c.habits.notes, *technique_notes]))
 
 

@@ -309,8 +309,14 @@ class TrainingPlan:
         """Raise MemkitError for any knob out of range or contradictory; return self. With the
         hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
         checkpointing K must be below it (memkit/plan/techniques.py)."""
-        for f in fields(self):  # each knob's declared choices and lower bound (knob(...) above)
-            _check_declared(f, getattr(self, f.name))
+        if type(self) is TrainingPlan:  # each knob's declared choices and lower bound (knob(...) above)
+            for f, choices, ranged in _declared():
+                value = getattr(self, f.name)
+                if ranged or (choices is not None and value not in choices):
+                    _check_declared(f, value)
+        else:
+            for f in fields(self):
+                _check_declared(f, getattr(self, f.name))
         for error in (checkpointing_error(self.checkpointing),
                       loss_knob_error(self.loss, tp=self.tp, pp=self.pp),
                       loss_path_error(self.loss_path, task=self.task)):
@@ -427,6 +433,18 @@ def knob_kind(f) -> str:
 
 def flag_name(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+_DECLARED: list = []
+
+
+def _declared() -> list:
+    """(field, its declared choices or None, whether it declares a range) of every TrainingPlan
+    knob, worked out once: validate() runs for every plan the planner estimates, and a value among
+    its choices needs no more of _check_declared."""
+    if not _DECLARED:
+        _DECLARED.extend((f, knob_choices(f), f.metadata.get("range") is not None) for f in fields(TrainingPlan))
+    return _DECLARED
 
 
 def _check_declared(f, value) -> None:

@@ -89,6 +89,9 @@ class Rejection(_OfAPlan):
     """What would make it fit (filled for the nearest misses when nothing fits)."""
     exact: bool = True
     """False when pruned by a sibling's verdict (its bytes are then unknown, 0)."""
+    floored: bool = False
+    """Its own verdict, but found by its peak floor alone (_Evaluator.floor_fails): reason and
+    overshoot are the floor's (overshoot a lower bound of the exact one) until _exact estimates it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,20 +210,55 @@ class _Evaluator:
         only if its reason is shown."""
         if plan in self._cache or plan in self.memo.estimates or not self.floored:
             return bool(self.check(plan).reason)
-        floor = self.memo.floors.get(plan)
-        if floor is None:
-            from memkit.estimate.memory import peak_floor_bytes
-
-            try:
-                floor = peak_floor_bytes(self.request.model, plan, self.request.hardware, stack=self._stack_kw)
-            except MemkitError:
-                floor = 0  # the estimator says it in its own words
-            self.memo.floors[plan] = floor
-        gpu_bytes = self.request.hardware.gpu.memory_bytes
-        if floor > self.budget or (self.fit_upper and int(floor * (1 + margin(plan))) > gpu_bytes):
+        if self.floor_fails(plan) is not None:
             self.num_floored += 1
             return True
         return bool(self.check(plan).reason)
+
+    def floor_fails(self, plan: TrainingPlan, *, host_fits: bool = False) -> "_Verdict | None":
+        """A device verdict from the peak floor alone (see fails), None when the floor does not
+        decide. Its overshoot, floor / budget, is a lower bound of the exact verdict's (which is the
+        worst ratio, device peak / budget among them). host_fits: decide only where the estimate's
+        host RAM and NVMe bytes are known without it (one stage: estimate/memory.py
+        peak_floor_and_host) and fit, so that the verdict's host_fails (False) is the exact one."""
+        if not self.floored:
+            return None
+        floors = self.memo.floors.get(plan)
+        if floors is None:
+            from memkit.estimate.memory import peak_floor_and_host
+
+            try:
+                floors = peak_floor_and_host(self.request.model, plan, self.request.hardware, stack=self._stack_kw)
+            except MemkitError:
+                floors = (0, None, None)  # the estimator says it in its own words
+            self.memo.floors[plan] = floors
+        floor, host, nvme = floors
+        gpu_bytes = self.request.hardware.gpu.memory_bytes
+        if not (floor > self.budget or (self.fit_upper and int(floor * (1 + margin(plan))) > gpu_bytes)):
+            return None
+        if host_fits:
+            hw = self.request.hardware
+            if host is None or host > hw.host_ram_bytes_per_node or (
+                    hw.nvme_bytes_per_node and nvme > hw.nvme_bytes_per_node):
+                return None
+        return _Verdict(None, f"at least {floor / GIB:.1f} GiB (its peak floor) > {self.budget / GIB:.1f} GiB "
+                              "budget or, with its upper-bound margin, the device", floor / self.budget, True, False)
+
+    def structures(self, tier: Tier, layout: tuple[int, int, int]) -> list[TrainingPlan]:
+        """planner.space.structures, memoised for the request (_Memo.structures)."""
+        key = (tier, layout)
+        hit = self.memo.structures.get(key)
+        if hit is None:
+            hit = self.memo.structures[key] = structures(self.request, tier, layout)
+        return hit
+
+    def speed_at(self, s: TrainingPlan, micro: int) -> float:
+        """ev.speed(with_micro(s, micro)).step_time_s, memoised on (s, micro) (_Memo.micro_speeds)."""
+        key = (s, micro)
+        hit = self.memo.micro_speeds.get(key)
+        if hit is None:
+            hit = self.memo.micro_speeds[key] = self.speed(with_micro(s, micro)).step_time_s
+        return hit
 
     def speed(self, plan: TrainingPlan) -> StepTimeEstimate:
         """Memoised: the search asks for the same plan's step time several times (its bound, its
@@ -270,6 +308,14 @@ class _Memo:
     speeds: dict = field(default_factory=dict)
     floors: dict = field(default_factory=dict)
     """plan -> its peak floor (estimate/memory.py peak_floor_bytes), for _Evaluator.fails."""
+    structures: dict = field(default_factory=dict)
+    """(tier, layout) -> planner.space.structures of it: both passes (and _run's retry without the
+    unasked plans) search the same structures, and building them validates every plan."""
+    bounds: dict = field(default_factory=dict)
+    """structure -> (its micro-batch options, _bound of it)."""
+    micro_speeds: dict = field(default_factory=dict)
+    """(structure, micro-batch) -> step time (s): _Evaluator.speed_at's memo, which skips deriving
+    the plan (with_micro) for the step times the bounds and the micro-batch choice re-read."""
     num_calls: int = 0
     """Memory estimates made (cache misses)."""
 
@@ -327,7 +373,7 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
         tier_rejected: list[Rejection] = []
         plain_found: list[Candidate] = []
         for phase_index, phase in enumerate(phases):
-            structs = [s for lay in phase for s in structures(request, tier, lay)]
+            structs = [s for lay in phase for s in ev.structures(tier, lay)]
             num_structures += len(structs)
             found, rejected = _run(ev, structs, tier, keep=num_alternatives + 2)
             tier_rejected += rejected
@@ -386,7 +432,7 @@ def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResu
     numerics (QLoRA Sec. 4-5 report 16-bit LoRA parity with NF4 + double quantisation, on their
     benchmarks only), so it is tried only when the fastest 16-bit-base plan that fits must offload
     to the host, and chosen when the step-time model prices it faster than that plan."""
-    structs = [s for lay in lays for s in structures(ev.request, tier, lay)]
+    structs = [s for lay in lays for s in ev.structures(tier, lay)]
     found, _rejected = _run(ev, structs, tier, keep=keep)
     if not found or found[0].speed.step_time_s >= offloaded.chosen.speed.step_time_s:
         return None
@@ -580,8 +626,15 @@ class _Pruner:
         group = _group_key(plan)
         if group not in self.device_dead:
             lean = self.leanest[group]
-            v = self.ev.check(lean)
-            self.device_dead[group] = (_rejection(lean, v, bound) if v.device_fails else None)
+            # Throughput objective: the floor may decide, and the leanest plan is estimated only if
+            # its rejection is shown (_exact). The memory objective ranks rejections by overshoot.
+            floored = (self.ev.floor_fails(lean) if self.ev.request.objective == "throughput"
+                       and lean not in self.ev.memo.estimates else None)
+            if floored is not None:
+                self.device_dead[group] = replace(_rejection(lean, floored, bound), floored=True)
+            else:
+                v = self.ev.check(lean)
+                self.device_dead[group] = (_rejection(lean, v, bound) if v.device_fails else None)
         dead = self.device_dead[group]
         if dead is not None and plan != dead.plan:
             return Rejection(plan=plan, reason=f"needs more than {dead.label}, which {dead.reason}",
@@ -628,9 +681,16 @@ def _lean_rank(plan: TrainingPlan) -> tuple:
 
 def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
     """The best step time any micro-batch of structure `s` could reach (the search's bound)."""
+    hit = ev.memo.bounds.get(s)
+    if hit is not None and hit[0] == micros:
+        return hit[1]
     if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
-        return min(ev.speed(with_micro(s.with_(checkpointing="none"), m)).step_time_s for m in micros)
-    return min(ev.speed(with_micro(s, m)).step_time_s for m in micros)
+        none = s.with_(checkpointing="none")
+        bound = min(ev.speed_at(none, m) for m in micros)
+    else:
+        bound = min(ev.speed_at(s, m) for m in micros)
+    ev.memo.bounds[s] = (micros, bound)
+    return bound
 
 
 def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
@@ -686,6 +746,12 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
             rejected.append(known)
             continue
         first = with_micro(s, micros[0])
+        # The floor may reject it (its host verdict exact, for the pruner's record); the rejection
+        # is then estimated only if shown (_exact, _by_overshoot).
+        floored = ev.floor_fails(first, host_fits=True) if first not in ev.memo.estimates else None
+        if floored is not None:
+            rejected.append(replace(_rejection(first, floored, bound), floored=True))
+            continue
         v = ev.check(first)
         if v.reason:
             rej = _rejection(first, v, bound)
@@ -695,7 +761,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         lo = _largest_fitting(ev, s, micros)
         largest[s] = lo
         limit = with_micro(s, micros[lo + 1]) if lo + 1 < len(micros) else None
-        times = [ev.speed(with_micro(s, m)).step_time_s for m in micros[:lo + 1]]
+        times = [ev.speed_at(s, m) for m in micros[:lo + 1]]
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
@@ -766,8 +832,8 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     step times are priced directly), since it then cannot change the answer; and micro-batch
     `guess` is bisected first, so there is a fast plan to beat from the start (comment below)."""
     num_blocks = ev.request.model.total_layers
-    no_recompute = {i: ev.speed(with_micro(s.with_(checkpointing="none"), micros[i])).step_time_s
-                    for i in range(lo + 1)}
+    none = s.with_(checkpointing="none")
+    no_recompute = {i: ev.speed_at(none, micros[i]) for i in range(lo + 1)}
     order = sorted(range(lo + 1), key=no_recompute.__getitem__)
     rank = {j: r for r, j in enumerate(order)}  # ties between equal step times go to the earlier
 
@@ -843,8 +909,8 @@ def _rejection(plan: TrainingPlan, v: _Verdict, bound: float) -> Rejection:
 
 
 def _exact(ev: _Evaluator, r: Rejection) -> Rejection:
-    """The rejection with its own estimate (pruned ones carry a sibling's)."""
-    if r.exact:
+    """The rejection with its own estimate (pruned ones carry a sibling's, floored ones their floor's)."""
+    if r.exact and not r.floored:
         return r
     return _rejection(r.plan, ev.check(r.plan), r.step_time_s)
 
@@ -887,7 +953,7 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
     hw = request.hardware
     misses: list[Rejection] = []
     seen = set()
-    for r in sorted((r for r in rejected if r.exact), key=lambda r: (r.overshoot, r.step_time_s)):
+    for r in _by_overshoot(ev, [r for r in rejected if r.exact]):
         key = _shape_key(r.plan)
         if key in seen or r.overshoot == float("inf"):
             continue
@@ -904,7 +970,8 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
         if best.needs:
             what += f"; it needs {' and '.join(best.needs)}"
     elif rejected:
-        what += f"; e.g. {rejected[0].label}: {rejected[0].reason}"
+        first = _exact(ev, rejected[0]) if rejected[0].floored else rejected[0]
+        what += f"; e.g. {first.label}: {first.reason}"
     else:  # not one plan shape honours the pins: a request that cannot be met as pinned (exit 2)
         pinned = sorted({flag for flag, _, _ in pins(request)})
         raise MemkitError(f"no plan shape honours the pins ({', '.join(pinned) or 'none'}) with global batch "
@@ -914,6 +981,21 @@ def _no_fit(request: Request, ev: _Evaluator, rejected: list[Rejection]) -> NoPl
     if pinned:  # every plan estimated honoured them
         what += f"; pinned: {', '.join(pinned)}"
     return NoPlanFits(what, tuple(misses))
+
+
+def _by_overshoot(ev: _Evaluator, rejected: list[Rejection]):
+    """`rejected` sorted by (overshoot, step time), stably, as a generator, each with its exact
+    verdict: a floored rejection's overshoot is a lower bound of its exact one, so it is estimated
+    (_exact) only when it comes first, and a consumer that stops early skips the rest."""
+    heap = [(r.overshoot, r.step_time_s, i, r) for i, r in enumerate(rejected)]
+    heapq.heapify(heap)
+    while heap:
+        _, _, i, r = heapq.heappop(heap)
+        if r.floored:
+            r = _exact(ev, r)
+            heapq.heappush(heap, (r.overshoot, r.step_time_s, i, r))
+        else:
+            yield r
 
 
 def _needs(request: Request, ev: _Evaluator, miss: Rejection) -> tuple[str, ...]:

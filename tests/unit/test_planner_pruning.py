@@ -122,3 +122,100 @@ def test_structures_come_in_exact_bound_order_and_offload_ones_are_priced_lazily
     rest = [(bound, index) for bound, index, _, _ in order]
     assert [(first[0], first[1])] + rest == exact
     assert priced_at_first < len(lazy.memo.speeds)
+
+
+# ---- the peak floor's shortcuts against the search without them ---------------------------------
+# A search whose estimator is estimate_memory with a keyword the floor does not price
+# (functools.partial(..., device="cuda"), the default) makes every verdict from an exact estimate:
+# no micro-batch or K is rejected on its peak floor (_Evaluator.fails) and no group's leanest plan is
+# pruned on it (_Pruner.known_miss). Everything the search returns must be the same.
+
+def _random_requests(seed: int, count: int):
+    import random
+
+    rng = random.Random(seed)
+    models = ["llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b"]
+    gpus = ["rtx-4090", "a100-40gb", "v100-16gb"]
+    out = []
+    for _ in range(count):
+        per_node = rng.choice([1, 2, 8])
+        # huge global batches included: the micro-batch bisection runs over many divisors
+        batch = per_node * rng.choice([8, 64, 96, 10**4, 5**9, 2**20])
+        out.append(Request(model=load_model_spec(rng.choice(models)), global_batch_size=batch,
+                           seq_len=rng.choice([1024, 4096, 8192]),
+                           hardware=Hardware(gpu=find_gpu(rng.choice(gpus)), num_gpus_per_node=per_node),
+                           tp=1, pp=1, lora_rank=rng.choice([0, 0, 16])))
+    return out
+
+
+def _outcome(request, estimator):
+    from memkit.planner import NoPlanFits, search
+
+    try:
+        r = search(request, estimator=estimator)
+    except NoPlanFits as exc:
+        return ("no fit", str(exc), [(m.label, m.reason, m.device_peak_bytes, m.needs) for m in exc.misses])
+    return (r.chosen.label, r.chosen.micro_limit, r.notes, r.split_reason,
+            [(c.label, c.memory.nvidia_smi_peak_bytes, c.speed.step_time_s) for c in r.alternatives],
+            [(x.label, x.reason, x.device_peak_bytes, x.overshoot, x.step_time_s) for x in r.rejected])
+
+
+@pytest.mark.slow  # two searches per request
+@pytest.mark.parametrize("seed", [1, 2])
+def test_floor_shortcuts_give_the_exact_search_answer(seed):
+    import functools
+
+    exact = functools.partial(estimate_memory, device="cuda")  # floors off (see above)
+    outcomes = []
+    for req in _random_requests(seed, 4):
+        got = _outcome(req, None)
+        assert got == _outcome(req, exact), (req.model.name, req.hardware.gpu.name, req.global_batch_size)
+        outcomes.append(got[0])
+    assert len(set(outcomes)) > 1  # not one trivial answer
+
+
+def test_micro_batch_bisection_finds_the_scan_boundary_on_huge_batches():
+    """_largest_fitting bisects over the divisors of the per-rank batch (planner/space.py
+    divisors_up_to): on a 10^9-sequence batch it makes O(log n) verdicts, and its answer is the
+    linear scan's (the last micro-batch before the first that does not fit), floors on or off."""
+    import math
+
+    req = Request(model=load_model_spec("llama-3.2-1b"), global_batch_size=10**9, seq_len=4096,
+                  hardware=Hardware(gpu=find_gpu("rtx-4090"), num_gpus_per_node=8), tp=1, pp=1)
+    ev = _Evaluator(req, estimate_memory)
+    checked = 0
+    for s in _structures(req)[::7]:
+        micros = micro_batch_options(req, s.dp, s.pp)
+        if ev.check(with_micro(s, micros[0])).reason:
+            continue
+        before = ev.num_calls + ev.num_floored
+        lo = _largest_fitting(ev, s, micros)
+        assert ev.num_calls + ev.num_floored - before <= math.ceil(math.log2(len(micros))) + 1
+        assert not ev.check(with_micro(s, micros[lo])).reason
+        if lo + 1 < len(micros):
+            assert ev.check(with_micro(s, micros[lo + 1])).reason  # the floor's verdict is the estimate's
+        scan = next((j - 1 for j in range(1, lo + 2) if j == len(micros) or ev.check(with_micro(s, micros[j])).reason),
+                    lo)
+        assert scan == lo, (s, micros, lo, scan)
+        checked += 1
+    assert checked >= 3
+
+
+def test_floor_host_bytes_are_the_estimates_for_one_stage():
+    """estimate/memory.py peak_floor_and_host: with pp = 1 its host RAM and NVMe bytes are the exact
+    estimate's (the search trusts them to skip a replay, _search_throughput), and its floor is
+    peak_floor_bytes, at most the exact nvidia-smi peak."""
+    from memkit.estimate.memory import peak_floor_and_host, peak_floor_bytes
+
+    req = _request("1b-a100")
+    hw = Hardware(gpu=find_gpu("a100-40gb"), num_gpus_per_node=2, nvme_bytes_per_node=2 * 10**12)
+    structs = _structures(req)
+    checked = set()
+    for s in structs[::5] + [s.with_(offload_optimizer="nvme", offload_params="nvme") for s in structs
+                             if s.zero_stage == 3][:2]:
+        est = estimate_memory(req.model, s, hw)
+        floor, host, nvme = peak_floor_and_host(req.model, s, hw)
+        assert (host, nvme) == (est.host_bytes_per_node, est.nvme_bytes_per_node), s
+        assert floor == peak_floor_bytes(req.model, s, hw) <= est.nvidia_smi_peak_bytes
+        checked.add((s.offload_optimizer, s.offload_params, s.offload_activations))
+    assert len(checked) >= 3
