@@ -3,9 +3,10 @@
 checkpoints and compares its resumed runs' final parameters with this run's.
 
 A session fixture, run once per pytest process: under pytest-xdist every worker may ask for it,
-so the first one launches under a file lock in the session's shared temporary folder (the
-parent of each worker's basetemp, as pytest-xdist's docs do for a session fixture run once) and
-the others wait and read its result. Without xdist it lives in this session's basetemp."""
+so the first one launches under a file lock in the session's shared temporary folder (each
+worker's basetemp is the controller's basetemp / "gwN": xdist/workermanage.py, WorkerController
+setup; the pattern of pytest-xdist's how-to "Making session-scoped fixtures execute only once")
+and the others wait and read its result. Without xdist it lives in this session's basetemp."""
 from __future__ import annotations
 
 import json
