@@ -24,6 +24,8 @@ torch, another ninja) never rebuild each other's ops.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -217,11 +219,35 @@ def op_state(name: str, root: Path | None = None) -> OpState:
                    cached=(build_dir / f"{name}.so").is_file(), build_dir=build_dir, lock=lock)
 
 
+def probe_cpu_once() -> None:
+    """py-cpuinfo's answer cached for this process. DeepSpeed's CPU op builders ask it twice per
+    op load (deepspeed/ops/op_builder/builder.py, OpBuilder.cpu_arch and simd_width, which
+    cpu/builder.py cxx_args calls on every jit_load, a cached build included), and py-cpuinfo
+    answers each call by running itself in a fresh Python process (cpuinfo/cpuinfo.py,
+    get_cpu_info -> get_cpu_info_json): ~0.45 CPU s a call, measured, in every rank of every
+    DeepSpeed launch. The CPU does not change under a running process. Each caller gets its own
+    copy (cpu_arch edits the dict on aarch64); an exception is not cached. Idempotent."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return  # DeepSpeed falls back to lscpu itself
+    if hasattr(cpuinfo.get_cpu_info, "__wrapped__"):
+        return
+    asked = functools.cache(cpuinfo.get_cpu_info)
+
+    @functools.wraps(cpuinfo.get_cpu_info)
+    def get_cpu_info():
+        return copy.deepcopy(asked())
+
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def build_op(name: str) -> float:
     """Compile (or load) one op now, in this install's extensions root; returns the seconds it
     took (recorded there when it compiled, for the next estimate)."""
     from deepspeed.accelerator import get_accelerator
 
+    probe_cpu_once()
     root = use_install_extensions_dir()
     was_cached = (root / name / f"{name}.so").is_file()
     start = time.perf_counter()

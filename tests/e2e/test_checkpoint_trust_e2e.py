@@ -2,17 +2,19 @@
 says what happened, and a killed op build does not wedge the next launch: 2-process DeepSpeed
 ZeRO-2 on CPU (gloo), the real DeepSpeed and Accelerate, a tiny Llama.
 
-One uninterrupted reference run checkpoints after steps 1-3 of 4; each test works on a copy:
+One uninterrupted reference run checkpoints after steps 1-6 of 7 (tests/e2e/shared_ckpt_runs.py's,
+shared with test_corrupt_checkpoint.py); each test works on a copy:
   - a pickle that would run a command (it writes a marker) in the model states (manifest re-hashed)
     or in rank 1's optimizer partition (manifest deleted): one line naming the file, every rank exits 2
     (`accelerate launch` itself then exits 1, as for any failed rank), no marker;
-  - no manifests, a truncated model-states file in step 3, a stray step-9/ with only
-    trainer_state.json and no `latest`: both skipped with a line, resumed from step 2, final
+  - no manifests, a truncated model-states file in step 6, a stray step-9/ with only
+    trainer_state.json and no `latest`: both skipped with a line, resumed from step 5, final
     parameters equal the reference's (1e-6, as tests/e2e/test_corrupt_checkpoint.py);
   - checkpoints onto a real full tmpfs, then the same tmpfs read-only: the one line, exit 4, the
     previous checkpoint kept and intact (needs root for mount; skipped otherwise);
   - build locks left by a killed torch FileBaton holder (every op, deepspeed_shm_comm included):
-    removed with a line, the launch finishes.
+    removed with a line, the launch finishes (the fallback resume above is that launch: one run,
+    two tests read it).
 """
 from __future__ import annotations
 
@@ -25,38 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from runner_util import TEXT_DATA, final_params, launch, write_bundle, write_tiny_llama
+from runner_util import TEXT_DATA, final_params, launch, write_tiny_llama
+from shared_ckpt_runs import STEPS, step_name as _step, zero2_reference
 
 from memkit.plan.plan import TrainingPlan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 4
+__all__ = ["zero2_reference"]  # the shared session fixture, imported for pytest to find
 EXIT_CHECKPOINT_WRITE = 4
-
-
-def _step(n: int) -> str:
-    return f"step-{n:08d}"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """(bundle plan.json, accelerate.yaml, model folder, reference output dir)."""
-    top = tmp_path_factory.mktemp("trust")
-    tiny = top / "tiny"
-    write_tiny_llama(tiny)
-    plan = TrainingPlan(precision="fp32", zero_stage=2, micro_batch_size=2, grad_accum=1, seq_len=32, dp=2,
-                        reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000)
-    config, plan_path = write_bundle(top / "bundle", plan)
-    whole = top / "whole"
-    result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(whole)])
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert sorted(p.name for p in (whole / "checkpoints").glob("step-*")) == [_step(n) for n in range(1, STEPS)]
-    return config, plan_path, tiny, whole
-
-
-def _common(plan_path: Path, tiny: Path) -> list[str]:
-    return ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA), "--max-steps", str(STEPS),
-            "--lr", "3e-3", "--save-every", "1", "--keep-checkpoints", str(STEPS)]
 
 
 def _rank_exits(result) -> list[int]:
@@ -81,10 +59,10 @@ torch.save({"module": Probe()}, sys.argv[1])
 
 @pytest.mark.parametrize("target,manifest", [("pytorch_model/mp_rank_00_model_states.pt", "rehashed"),
                                              ("pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt", "deleted")])
-def test_a_pickle_that_runs_code_is_refused_before_any_rank_loads_it(reference, tmp_path, target, manifest):
+def test_a_pickle_that_runs_code_is_refused_before_any_rank_loads_it(zero2_reference, tmp_path, target, manifest):
     from memkit.train.checkpoint import write_manifest
 
-    config, plan_path, tiny, whole = reference
+    config, whole = zero2_reference.config, zero2_reference.whole
     out = tmp_path / "run"
     shutil.copytree(whole / "checkpoints", out / "checkpoints")
     newest = out / "checkpoints" / _step(STEPS - 1)
@@ -95,7 +73,7 @@ def test_a_pickle_that_runs_code_is_refused_before_any_rank_loads_it(reference, 
         (newest / "manifest.json").unlink()
     else:  # the manifest is integrity, not authentication: anyone who can write the folder re-hashes it
         write_manifest(newest, step=STEPS - 1, accelerator=None)
-    result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(out), "--resume"])
+    result = launch(config, [*zero2_reference.args(), "--output-dir", str(out), "--resume"])
     assert _rank_exits(result) == [2, 2]
     assert not marker.exists(), "the checkpoint's pickle ran"
     hits = [line for line in result.stdout.splitlines() if "needs code to load" in line]
@@ -103,31 +81,52 @@ def test_a_pickle_that_runs_code_is_refused_before_any_rank_loads_it(reference, 
     assert hits[0].startswith("finetune: error: --resume: ")
 
 
-def test_truncated_states_without_manifest_and_a_stray_folder_fall_back(reference, tmp_path):
-    config, plan_path, tiny, whole = reference
-    out = tmp_path / "run"
-    shutil.copytree(whole / "checkpoints", out / "checkpoints")
+@pytest.fixture(scope="module")
+def fallback_run(zero2_reference, tmp_path_factory):
+    """The reference's checkpoints without manifests, the newest's model states truncated, a stray
+    step-9/ and no `latest`, resumed with a torch-extensions folder whose build locks a killed
+    FileBaton holder left (every op, deepspeed_shm_comm included): (result, run dir, locks)."""
+    from memkit.train.ops import extensions_root, use_install_extensions_dir
+
+    top = tmp_path_factory.mktemp("fallback")
+    out = top / "run"
+    shutil.copytree(zero2_reference.whole / "checkpoints", out / "checkpoints")
     ckpts = out / "checkpoints"
     for manifest in ckpts.glob("step-*/manifest.json"):
         manifest.unlink()  # as an older memkit wrote them
-    states = ckpts / _step(3) / "pytorch_model" / "mp_rank_00_model_states.pt"
+    states = ckpts / _step(STEPS - 1) / "pytorch_model" / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
     stray = ckpts / _step(9)
     stray.mkdir()
-    shutil.copy(ckpts / _step(3) / "trainer_state.json", stray / "trainer_state.json")
+    shutil.copy(ckpts / _step(STEPS - 1) / "trainer_state.json", stray / "trainer_state.json")
     (ckpts / "latest").unlink()
-    result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(out), "--resume"])
+
+    use_install_extensions_dir()
+    ext = top / "extensions"
+    shutil.copytree(extensions_root(), ext, ignore=shutil.ignore_patterns("lock", ".adopting-*"))
+    locks = [ext / name / "lock" for name in ("cpu_adam", "fused_adam", "deepspeed_shm_comm")]
+    killed = subprocess.run([sys.executable, "-c", _HOLD_AND_DIE, *map(str, locks)])
+    assert killed.returncode == -signal.SIGKILL and all(lock.exists() for lock in locks)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(ext))  # launch() hands os.environ to the run
+        result = launch(zero2_reference.config, [*zero2_reference.args(), "--output-dir", str(out), "--resume"])
+    return result, out, locks
+
+
+def test_truncated_states_without_manifest_and_a_stray_folder_fall_back(zero2_reference, fallback_run):
+    result, out, _ = fallback_run
     assert result.returncode == 0, result.stdout[-4000:]
+    ckpts, stray = out / "checkpoints", out / "checkpoints" / _step(9)
     lines = result.stdout.splitlines()
     stray_lines = [line for line in lines if f"checkpoint {stray} is incomplete" in line]
     assert len(stray_lines) == 1 and "random_states_0.pkl is missing" in stray_lines[0], stray_lines
-    damaged = [line for line in lines if f"checkpoint {ckpts / _step(3)} is damaged" in line]
+    damaged = [line for line in lines if f"checkpoint {ckpts / _step(STEPS - 1)} is damaged" in line]
     assert len(damaged) == 1 and "mp_rank_00_model_states.pt does not load" in damaged[0], damaged
-    fallback = [line for line in lines if "resuming from " + _step(2) in line]
+    fallback = [line for line in lines if "resuming from " + _step(STEPS - 2) in line]
     assert len(fallback) == 1 and "2 damaged or incomplete" in fallback[0], fallback
     assert "Traceback" not in result.stdout and "AssertionError" not in result.stdout
     assert "WARNING: the RNG states" not in result.stdout  # restored: checked after load_state
-    pa, pb = final_params(whole / "final"), final_params(out / "final")
+    pa, pb = final_params(zero2_reference.whole / "final"), final_params(out / "final")
     assert sorted(pa) == sorted(pb)
     worst = max(float((pa[k].float() - pb[k].float()).abs().max()) for k in pa)
     assert worst <= 1e-6, f"max |delta| {worst}"
@@ -142,12 +141,12 @@ def small_tmpfs(tmp_path):
         yield mount_point
 
 
-def test_full_and_read_only_checkpoint_folders_are_said_once(reference, tmp_path, small_tmpfs):
+def test_full_and_read_only_checkpoint_folders_are_said_once(zero2_reference, tmp_path, small_tmpfs):
     from memkit.train.checkpoint import CheckpointManager
 
-    config, plan_path, tiny, _ = reference
+    config = zero2_reference.config
     out = tmp_path / "run"  # its checkpoints/ is the mount point: a run "already there", so --resume
-    result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(out), "--resume"])
+    result = launch(config, [*zero2_reference.args(), "--output-dir", str(out), "--resume"])
     assert _rank_exits(result) in ([EXIT_CHECKPOINT_WRITE], [EXIT_CHECKPOINT_WRITE] * 2)  # the launcher may stop the last
     expected = (f"memkit: could not write checkpoint {_step(2)} to {small_tmpfs}: no space left on device "
                 f"(previous checkpoint {_step(1)} kept)")
@@ -158,7 +157,7 @@ def test_full_and_read_only_checkpoint_folders_are_said_once(reference, tmp_path
     from tmpfs_util import remount_read_only
 
     remount_read_only(small_tmpfs)
-    result = launch(config, [*_common(plan_path, tiny), "--output-dir", str(out), "--resume"])
+    result = launch(config, [*zero2_reference.args(), "--output-dir", str(out), "--resume"])
     assert _rank_exits(result) in ([EXIT_CHECKPOINT_WRITE], [EXIT_CHECKPOINT_WRITE] * 2)
     expected = (f"memkit: could not write checkpoint {_step(2)} to {small_tmpfs}: read-only file system "
                 f"(previous checkpoint {_step(1)} kept)")
@@ -176,21 +175,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # killed mid-build: the lock files stay, n
 '''
 
 
-def test_locks_of_a_killed_build_are_removed_not_waited_on(reference, tmp_path, monkeypatch):
-    from memkit.train.ops import extensions_root, use_install_extensions_dir
-
-    config, plan_path, tiny, _ = reference
-    use_install_extensions_dir()
-    ext = tmp_path / "extensions"
-    shutil.copytree(extensions_root(), ext, ignore=shutil.ignore_patterns("lock", ".adopting-*"))
-    ops = ["cpu_adam", "fused_adam", "deepspeed_shm_comm"]
-    locks = [ext / name / "lock" for name in ops]
-    killed = subprocess.run([sys.executable, "-c", _HOLD_AND_DIE, *map(str, locks)])
-    assert killed.returncode == -signal.SIGKILL and all(lock.exists() for lock in locks)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
-    out = tmp_path / "run"
-    result = launch(config, ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA),
-                             "--max-steps", "1", "--output-dir", str(out), "--no-save-final"], timeout_s=900)
+def test_locks_of_a_killed_build_are_removed_not_waited_on(fallback_run):
+    result, _, locks = fallback_run
     assert result.returncode == 0, result.stdout[-4000:]
     removed = [line for line in result.stdout.splitlines() if "removed stale build lock" in line]
     assert sorted(line.split("removed stale build lock ")[1].split()[0] for line in removed) == \

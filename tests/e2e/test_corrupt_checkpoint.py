@@ -3,7 +3,8 @@ every kind of damage is named in one line, the run falls back to the newest inta
 (and says so), and its final parameters equal an uninterrupted run's.
 
 Cheap by construction: per ZeRO stage one uninterrupted reference run that checkpoints after
-every step (steps 1-6 of 7), then ONE resumed launch over a copy of those checkpoints in which the
+every step (steps 1-6 of 7; the ZeRO-2 one is tests/e2e/shared_ckpt_runs.py's, shared with
+test_checkpoint_trust_e2e.py), then ONE resumed launch over a copy of those checkpoints in which the
 five newest are damaged in five different ways (newest first):
 
   step 6: a model-states file truncated      step 5: a model-states file overwritten with random bytes
@@ -23,19 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from runner_util import TEXT_DATA, events, final_params, launch, read_log, write_bundle, write_tiny_llama
-
-from memkit.plan.plan import TrainingPlan
+from runner_util import events, final_params, launch, read_log
+from shared_ckpt_runs import Reference, reference_run, step_name as _step, zero2_reference
 
 pytestmark = pytest.mark.e2e
-SMALL_BUCKETS = dict(reduce_bucket_size=1_000_000, allgather_bucket_size=1_000_000,
-                     stage3_prefetch_bucket_size=1_000_000, stage3_param_persistence_threshold=1_000)
-STEPS = 7
-"""Optimizer steps; the runner checkpoints after steps 1-6 (the last step writes final/ instead)."""
-
-
-def _step(n: int) -> str:
-    return f"step-{n:08d}"
+__all__ = ["zero2_reference"]  # the shared session fixture, imported for pytest to find
 
 
 def _one(folder: Path, pattern: str) -> Path:
@@ -65,30 +58,19 @@ def _damage(ckpts: Path) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_llama(folder)
-    return folder
+def zero3_reference(tmp_path_factory) -> Reference:
+    return reference_run(tmp_path_factory.mktemp("zero3"), zero=3)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, tiny, zero):
-    plan = TrainingPlan(precision="fp32", zero_stage=zero, micro_batch_size=2, grad_accum=1, seq_len=32, dp=2,
-                        **SMALL_BUCKETS)
-    config, plan_path = write_bundle(tmp_path / "bundle", plan)
-    common = ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA), "--max-steps", str(STEPS),
-              "--lr", "3e-3", "--save-every", "1", "--keep-checkpoints", str(STEPS)]
-    whole, damaged = tmp_path / "whole", tmp_path / "damaged"
-
-    ref = launch(config, [*common, "--output-dir", str(whole)], timeout_s=900)  # hang guard only
-    assert ref.returncode == 0, ref.stdout[-4000:]
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(request, tmp_path, zero):
+    ref = request.getfixturevalue("zero2_reference" if zero == 2 else "zero3_reference")
+    config, common, whole = ref.config, ref.args(), ref.whole
+    damaged = tmp_path / "damaged"
     ckpts = whole / "checkpoints"
-    assert [p.name for p in sorted(ckpts.glob("step-*"))] == [_step(n) for n in range(1, STEPS)]
-    assert all((p / "manifest.json").is_file() for p in ckpts.glob("step-*"))
-
     shutil.copytree(ckpts, damaged / "checkpoints")
     named = _damage(damaged / "checkpoints")
-    result = launch(config, [*common, "--output-dir", str(damaged), "--resume"], timeout_s=900)
+    result = launch(config, [*common, "--output-dir", str(damaged), "--resume"], timeout_s=900)  # hang guard only
     assert result.returncode == 0, result.stdout[-4000:]
     lines = result.stdout.splitlines()
     for step, name in named.items():  # one line per damaged checkpoint, naming the file

@@ -34,11 +34,21 @@ from memkit.plan.plan import TrainingPlan
 pytestmark = pytest.mark.e2e
 MAX_STEPS = 12
 HANG_GUARD_S = 600  # a run here takes 20-60 s; the guard only turns a hang into a failure
+TIME_CADENCE = ["--save-every-minutes", "0.00001", "--keep-checkpoints", str(MAX_STEPS)]
+"""A time cadence every step boundary passes (0.6 ms), every checkpoint kept."""
+
+
+class Setup(tuple):
+    """(common finetune args, accelerate config, the uninterrupted run's final params), and in
+    `whole_dir` that run's output dir (its log and time-cadence checkpoints)."""
+    whole_dir: Path
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(common finetune args, accelerate config, the uninterrupted run's final params)."""
+def setup(tmp_path_factory) -> Setup:
+    """The uninterrupted run, which also checkpoints on a time cadence of ~1 ms (so at every step
+    boundary but the last): the trials compare with its final parameters,
+    test_time_cadence_checkpoints_without_a_signal reads its checkpoints."""
     root = tmp_path_factory.mktemp("preempt")
     tiny = root / "tiny"
     write_tiny_llama(tiny)
@@ -51,11 +61,13 @@ def setup(tmp_path_factory):
     common = ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA),
               "--max-steps", str(MAX_STEPS), "--lr", "3e-3", "--warmup-steps", "1", "--no-progress"]
     whole = root / "whole"
-    proc = _start(config, [*common, "--output-dir", str(whole)], via_train=False)
+    proc = _start(config, [*common, "--output-dir", str(whole), *TIME_CADENCE], via_train=False)
     out = _wait(proc)
     assert proc.returncode == 0, out[-4000:]
     assert [r["step"] for r in events(read_log(whole), "step")] == list(range(1, MAX_STEPS + 1))
-    return common, config, final_params(whole / "final")
+    done = Setup((common, config, final_params(whole / "final")))
+    done.whole_dir = whole
+    return done
 
 
 def _start(config: Path, args: list[str], *, via_train: bool) -> subprocess.Popen:
@@ -180,14 +192,11 @@ def test_ten_trials_at_random_steps(setup, tmp_path, sig):
     assert all(r.ok for r in rows), table(rows)
 
 
-def test_time_cadence_checkpoints_without_a_signal(setup, tmp_path):
-    """--save-every-minutes: rank 0's clock decides, every rank saves at that step (the all-reduce)."""
-    common, config, _ = setup
-    run_dir = tmp_path / "timed"
-    proc = _start(config, [*common, "--output-dir", str(run_dir), "--save-every-minutes", "0.00001",
-                           "--keep-checkpoints", "20", "--max-steps", "4"], via_train=False)  # the last --max-steps wins
-    out = _wait(proc)
-    assert proc.returncode == 0, out[-4000:]
+def test_time_cadence_checkpoints_without_a_signal(setup):
+    """--save-every-minutes: rank 0's clock decides, every rank saves at that step (the all-reduce);
+    the uninterrupted run of `setup` (which the resumed trials match) ran with it."""
+    run_dir = setup.whole_dir
     ckpts = events(read_log(run_dir), "checkpoint")
-    assert [(c["step"], c["reason"]) for c in ckpts] == [(s, "save-every-minutes") for s in (1, 2, 3)]
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (1, 2, 3)]
+    assert [(c["step"], c["reason"]) for c in ckpts] == [(s, "save-every-minutes") for s in range(1, MAX_STEPS)]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == \
+        [f"step-{s:08d}" for s in range(1, MAX_STEPS)]

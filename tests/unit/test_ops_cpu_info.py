@@ -1,0 +1,43 @@
+"""memkit.train.ops.probe_cpu_once: DeepSpeed's op builders ask py-cpuinfo twice per loaded op
+(deepspeed/ops/op_builder/builder.py, OpBuilder.cpu_arch and simd_width, from cxx_args on every
+jit_load), and py-cpuinfo answers each call by running its module in a fresh Python process
+(cpuinfo/cpuinfo.py, get_cpu_info -> get_cpu_info_json). After probe_cpu_once the process asks
+once: the real builder's flags come out the same and the second query starts no process."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+pytestmark = pytest.mark.slow  # one real py-cpuinfo probe (~0.5 CPU s) and DeepSpeed's import
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_the_builder_probes_the_cpu_once_per_process():
+    import cpuinfo
+    from deepspeed.accelerator import get_accelerator
+
+    from memkit.train.ops import OPS, probe_cpu_once
+
+    builder = get_accelerator().create_op_builder(OPS["fused_adam"])
+    unpatched = cpuinfo.get_cpu_info
+    try:
+        probe_cpu_once()
+        probe_cpu_once()  # idempotent: one cache, not a cache of a cache
+        assert cpuinfo.get_cpu_info.__wrapped__ is unpatched
+        before = _children_cpu_s()
+        first = (builder.cpu_arch(), builder.simd_width())
+        probed = _children_cpu_s()
+        assert probed > before  # the one real probe: py-cpuinfo's child process
+        second = (builder.cpu_arch(), builder.simd_width())
+        assert second == first and _children_cpu_s() == probed  # answered from the cache
+        info = cpuinfo.get_cpu_info()
+        info["flags"] = "changed"  # DeepSpeed edits the dict it gets (builder.py, cpu_arch on aarch64)
+        assert cpuinfo.get_cpu_info()["flags"] != "changed"
+        assert first[0] and first[1]
+    finally:
+        cpuinfo.get_cpu_info = unpatched
