@@ -8,6 +8,8 @@ and several properties are checked per run to keep the suite short:
                              leaves the last good checkpoint; resume == uninterrupted
   ZeRO-3 bf16 + CPU offload: SIGTERM through the launcher -> checkpoint -> resume == uninterrupted;
                              ZeRO-3 shards gathered into a folder with the run's logits
+  (the two uninterrupted runs are `memkit suggest --out` bundles, launched once per session and
+  shared with test_suggest_runs.py: tests/e2e/shared_runner_runs.py)
   ZeRO-0 fp32, SGD:          micro 1 x accum 4 == micro 4 x accum 1 after one step
   ZeRO-3 fp32 (verify):      predicted vs measured report; a simulated OOM is a result, not a hang
 
@@ -30,6 +32,7 @@ import torch
 
 from runner_util import (QA_DATA, REPO, TEXT_DATA, env, events, final_params, free_port, launch, read_log,
                          write_bundle, write_tiny_llama)
+from shared_runner_runs import suggested_zero2, suggested_zero3_offload  # noqa: F401 (session fixtures)
 
 from memkit.plan.plan import TrainingPlan
 
@@ -77,17 +80,16 @@ def _assert_same_params(a: Path, b: Path, *, atol: float) -> None:
     assert worst <= atol, f"max |delta| {worst}"
 
 
-def test_zero2_fp32_crash_mid_save_then_resume(tmp_path, tiny):
-    plan = TrainingPlan(precision="fp32", zero_stage=2, micro_batch_size=2, grad_accum=2, seq_len=64, dp=2,
-                        **SMALL_BUCKETS)
-    config, plan_path = write_bundle(tmp_path / "bundle", plan)
-    common = ["--plan", str(plan_path), "--model", str(tiny), "--data", str(TEXT_DATA), "--max-steps", "6",
-              "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "2"]
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
+def test_zero2_fp32_crash_mid_save_then_resume(tmp_path, suggested_zero2):
+    """The uninterrupted run is `memkit suggest --zero 2 --precision fp32`'s bundle launched as
+    written (tests/e2e/shared_runner_runs.py), which test_suggest_runs.py reads too."""
+    config, common, whole = suggested_zero2.config, list(suggested_zero2.args), suggested_zero2.whole
+    broken = tmp_path / "broken"
+    assert common[common.index("--save-every") + 1] == "2" and suggested_zero2.max_steps == 6
 
-    _ok(launch(config, [*common, "--output-dir", str(whole)]))
     log = read_log(whole)
-    _start(log, zero=2)
+    start = _start(log, zero=2)
+    assert start["plan"]["precision"] == "fp32"
     losses = [r["loss"] for r in events(log, "step")]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
     end = events(log, "end")[-1]
@@ -112,18 +114,19 @@ def test_zero2_fp32_crash_mid_save_then_resume(tmp_path, tiny):
     _assert_same_params(whole / "final", broken / "final", atol=1e-6)
 
 
-def test_zero3_bf16_offload_sigterm_then_resume(tmp_path, tiny):
-    plan = TrainingPlan(precision="bf16", zero_stage=3, offload_optimizer="cpu", offload_params="cpu",
-                        micro_batch_size=2, grad_accum=1, seq_len=64, dp=2, **SMALL_BUCKETS)
-    config, plan_path = write_bundle(tmp_path / "bundle", plan)
-    common = ["--plan", str(plan_path), "--model", str(tiny), "--data", str(QA_DATA), "--max-steps", "8",
-              "--lr", "3e-3"]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+def test_zero3_bf16_offload_sigterm_then_resume(tmp_path, suggested_zero3_offload):
+    """The uninterrupted run is `memkit suggest --zero 3 --offload-optimizer cpu --offload-params cpu`'s
+    bundle (bf16, micro 2 x accum 2, ZeRO-3 partitioning every weight over 640 elements) launched as
+    written (tests/e2e/shared_runner_runs.py), which test_suggest_runs.py reads too."""
+    config, common, whole = (suggested_zero3_offload.config, list(suggested_zero3_offload.args),
+                             suggested_zero3_offload.whole)
+    stopped = tmp_path / "stopped"
+    assert suggested_zero3_offload.max_steps == 8
 
-    _ok(launch(config, [*common, "--output-dir", str(whole)]))
     log = read_log(whole)
     start = _start(log, zero=3)
     assert start["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert start["deepspeed_config"]["zero_optimization"]["stage3_param_persistence_threshold"] < 64 * 64
     assert start["plan"]["precision"] == "bf16"
     losses = [r["loss"] for r in events(log, "step")]
     assert losses[-1] < losses[0] - 0.5
