@@ -50,6 +50,11 @@ _CONFIG_DIRS = {
     "mt0-xxl": "mt0-xxl",
     "deberta-v2-xlarge-mnli": "deberta-v2-xlarge-mnli",
     "blenderbot-400M-distill": "blenderbot-400m-distill",
+    # Qwen-1 chat checkpoints (holdout H4, H5): config.json as published on the Hub (model_type 'qwen',
+    # remote code; memkit maps it structurally, spec/hf.py _qwen1)
+    "qwen-1_8b": "qwen-1_8b",
+    "qwen-7b": "qwen-7b",
+    "qwen-14b": "qwen-14b",
 }
 _APPROX_CONFIGS = {
     "deberta-v2-xlarge-mnli": "DeBERTa-v2 modelled as a BERT encoder of the same sizes (no disentangled attention)",
@@ -215,6 +220,8 @@ SOURCE_FRAMEWORK = {
     "peft_method_comparison": "peft_custom_loop",         # holdout H1: method_comparison/MetaMathQA/run.py
     "torchtune_readme_2024_04": "torchtune",              # holdout H2
     "torchtune_readme_2024_11": "torchtune",              # holdout H3
+    "ms_swift_benchmark_2024_01": "ms_swift",             # holdout H4: modelscope/ms-swift `swift sft`
+    "qwen_finetune_profiling": "qwen_finetune",           # holdout H5: QwenLM/Qwen finetune.py
 }
 
 
@@ -328,6 +335,9 @@ def _metric(meas: dict, approx: list[str]) -> str:
         return "reserved"
     if "max_memory_allocated" in text or "tracemalloc" in text:
         return "allocated"
+    if "unstated" in text and "nvidia-smi presumed" in text:
+        approx.append("metric unstated by the source; nvidia-smi used presumed")
+        return "nvidia_smi"
     if "nvml" in text or "nvidia-smi" in text or meas["scope"] in ("device_used", "whole_device_used_after_training"):
         return "nvidia_smi"
     approx.append(f"metric unstated ({meas['metric']}); compared with allocated")
@@ -402,6 +412,11 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
     if text.startswith("bf16_mixed"):
         return "bf16", ""
     if text.startswith("bf16_pure") or text.startswith("bf16 weights"):
+        if "trainer bf16=true autocast" in text:
+            # HF Trainer bf16=True over a bf16-loaded model: every weight and activation is already bf16,
+            # autocast changes only its fp32-listed ops (softmax, log_softmax: aten/src/ATen/autocast_mode.cpp)
+            approx.append("Trainer bf16 autocast over bf16 weights priced as bf16-pure (autocast's fp32 ops "
+                          "not priced apart)")
         return "bf16-pure", ""
     if text.startswith("bf16 compute"):  # a 4-bit base's compute dtype: its mapping in _quantized_base
         return "bf16", ""
