@@ -107,8 +107,14 @@ def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = 
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
         notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
                          f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
-    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m_alloc)),
-                   reserved_peak_upper_bytes=int(est.reserved_peak_bytes * (1 + m)),
+    reserved_upper = int(est.reserved_peak_bytes * (1 + m))
+    # allocated never exceeds reserved (the allocator's blocks lie in its segments), so neither do their bounds
+    # (the allocated residuals' largest, UNCOVERED_MARGIN, can exceed the cached one)
+    allocated_upper = int(est.allocated_peak_bytes * (1 + m_alloc))
+    if device == "cuda":
+        allocated_upper = min(allocated_upper, max(reserved_upper, est.allocated_peak_bytes))
+    return replace(est, allocated_peak_upper_bytes=allocated_upper,
+                   reserved_peak_upper_bytes=reserved_upper,
                    nvidia_smi_peak_upper_bytes=int(est.nvidia_smi_peak_bytes * (1 + m)),
                    upper_margin=round(m, 4), upper_basis=basis, notes=notes)
 

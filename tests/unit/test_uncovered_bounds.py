@@ -91,3 +91,12 @@ def test_an_uncovered_plan_gets_the_wider_bound_and_says_why(tmp_path):
     assert llama.upper_margin == pytest.approx(RESIDUAL_MARGIN["cached"], abs=1e-4)
     assert "no calibration framework covers" not in llama.upper_basis
     assert margin(plan, RESIDUAL_MARGIN, figure="allocated", uncovered=("x",)) == UNCOVERED_MARGIN["allocated"]
+
+
+def test_the_allocated_bound_never_exceeds_the_reserved_bound():
+    # the uncovered allocated margin (the largest allocated residual) is far above the cached one
+    plan = TrainingPlan(precision="bf16-pure", engine="torch", lora_rank=8, lora_targets=("c_attn",), seq_len=4096,
+                        checkpointing="full", attention="sdpa")
+    est = estimate_memory(load_model_spec(str(QWEN7B)), plan, Hardware(gpu=find_gpu("a100-80gb")))
+    assert UNCOVERED_MARGIN["allocated"] > UNCOVERED_MARGIN["cached"]
+    assert est.allocated_peak_bytes <= est.allocated_peak_upper_bytes <= est.reserved_peak_upper_bytes
