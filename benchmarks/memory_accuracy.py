@@ -24,8 +24,9 @@ import math
 import sys
 from pathlib import Path
 
-from memkit.calibrate.published_memory import Outcome, cases_for_record, framework_coverage, score, summarize
-from memkit.estimate.bounds import QUANTILE_LABEL
+from memkit.calibrate.published_memory import (Outcome, cases_for_record, framework_coverage, score, summarize,
+                                               upper_bound)
+from memkit.estimate.bounds import QUANTILE_LABEL, uncovered_kinds
 from memkit.units import GIB
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,6 +196,18 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
         covered, total = sum(c for c, _ in cov.values()), sum(n for _, n in cov.values())
         out.append(f"  worst fold {worst} {100 * cov[worst][0] / cov[worst][1]:.1f}%, pooled {100 * covered / total:.1f}% "
                    f"of {total} rows")
+
+    wide: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        if o.case.kind == "regression" and o.error_pct is not None:
+            for reason in uncovered_kinds(o.case.model, o.case.plan, variable_length=bool(o.case.sample_lengths)):
+                wide.setdefault(reason.split(":")[0], []).append(o)
+    if wide:
+        out.append("Rows of a kind no calibration framework covers (bound widened to the largest dev "
+                   "under-prediction, estimate/bounds.py uncovered_kinds):")
+        for reason, rows in sorted(wide.items()):
+            covered = sum(o.case.measured_bytes <= upper_bound(o) for o in rows)
+            out.append(f"  {reason:<40} {len(rows):>3} rows  {100 * covered / len(rows):5.1f}% under the bound")
 
     if verbose:
         rows = [o for o in outcomes if o.estimate is not None and o.error_pct is not None]

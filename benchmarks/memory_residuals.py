@@ -13,7 +13,9 @@ them for an honest (leave-one-source-out) coverage figure. memkit's estimate has
 constant, so the residuals themselves need no refit per fold; only the quantile is estimated.
 The quantile is chosen by memkit.estimate.bounds.choose_quantile (the smallest candidate whose
 leave-one-framework-out coverage -- memkit.calibrate.published_memory.framework_of -- reaches TARGET_COVERAGE);
-the pooled and worst-fold coverage of every candidate is printed.
+the pooled and worst-fold coverage of every candidate is printed. UNCOVERED_MARGIN (the largest
+residual, bounds.UNCOVERED_QUANTILE) and COVERED_LORA_SEQ_LEN serve plans of a kind no framework of
+the calibration covers (bounds.uncovered_kinds).
 `--check` exits 1 when the checked-in file differs from what the data gives.
 """
 from __future__ import annotations
@@ -26,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_accuracy import DEFAULT_CALIBRATION, published_outcomes  # noqa: E402
 
 from memkit.calibrate.published_memory import framework_of  # noqa: E402
-from memkit.estimate.bounds import (QUANTILE_GRID, TARGET_COVERAGE, choose_quantile,  # noqa: E402
-                                    figure_kind, loso_coverage, pooled_margins, worst_fold)
+from memkit.estimate.bounds import (QUANTILE_GRID, TARGET_COVERAGE, UNCOVERED_QUANTILE,  # noqa: E402
+                                    choose_quantile, figure_kind, loso_coverage, pooled_margins, worst_fold)
 
 OUT = Path(__file__).resolve().parent.parent / "memkit" / "estimate" / "residuals_table.py"
 
@@ -41,7 +43,14 @@ def residual_rows(outcomes) -> list[tuple[str, str, float]]:
     return rows
 
 
-def render(rows) -> str:
+def covered_lora_seq_len(outcomes) -> int:
+    """The longest sequence of a LoRA regression row in the calibration: LoRA plans longer than
+    it have no fold that covers them (memkit.estimate.bounds.uncovered_kinds)."""
+    return max((o.case.plan.seq_len for o in outcomes if o.case.kind == "regression" and o.error_pct is not None
+                and o.case.plan is not None and o.case.plan.is_lora), default=0)
+
+
+def render(rows, *, lora_seq_len: int = 0) -> str:
     q, cov = choose_quantile(rows, framework_of)
     sources = sorted({s for s, _, _ in rows})
     frameworks = sorted({framework_of(s) for s in sources})
@@ -59,6 +68,8 @@ def render(rows) -> str:
              f"LOFO_COVERAGE = {round(cov, 4)!r}",
              f"LOFO_WORST_FOLD = {(worst, round(worst_cov, 4))!r}",
              f"RESIDUAL_MARGIN = {pooled_margins(rows, q)!r}",
+             f"UNCOVERED_MARGIN = {pooled_margins(rows, UNCOVERED_QUANTILE)!r}",
+             f"COVERED_LORA_SEQ_LEN = {lora_seq_len!r}",
              "LEAVE_ONE_SOURCE_OUT = {"]
     lines += [f"    {s!r}: {loso[s]!r}," for s in sources]
     lines.append("}")
@@ -73,8 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
     p.add_argument("--check", action="store_true")
     args = p.parse_args(argv)
-    rows = residual_rows(published_outcomes(args.calibration))
-    text = render(rows)
+    outcomes = published_outcomes(args.calibration)
+    rows = residual_rows(outcomes)
+    text = render(rows, lora_seq_len=covered_lora_seq_len(outcomes))
     if args.check:
         same = OUT.is_file() and OUT.read_text() == text
         print("residuals table up to date" if same else f"{OUT} is stale; rerun benchmarks/memory_residuals.py")

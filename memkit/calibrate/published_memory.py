@@ -50,6 +50,11 @@ _CONFIG_DIRS = {
     "mt0-xxl": "mt0-xxl",
     "deberta-v2-xlarge-mnli": "deberta-v2-xlarge-mnli",
     "blenderbot-400M-distill": "blenderbot-400m-distill",
+    # Qwen-1 chat checkpoints (holdout H4, H5): config.json as published on the Hub (model_type 'qwen',
+    # remote code; memkit maps it structurally, spec/hf.py _qwen1)
+    "qwen-1_8b": "qwen-1_8b",
+    "qwen-7b": "qwen-7b",
+    "qwen-14b": "qwen-14b",
 }
 _APPROX_CONFIGS = {
     "deberta-v2-xlarge-mnli": "DeBERTa-v2 modelled as a BERT encoder of the same sizes (no disentangled attention)",
@@ -106,6 +111,10 @@ class Case:
     """Other plans worth pricing next to the main one (e.g. the two ends of a selective-AC bracket)."""
     stack: Stack | None = None
     """The source's software versions, as far as it states them (_SOURCE_STACKS)."""
+    sample_lengths: tuple[int, ...] = ()
+    """Token lengths of the run's samples where the source states its data's length statistics
+    (lengths_from_stats): the case is then priced as estimate --lengths prices a user's data, by the
+    variable-length replay (estimate/varlen.py), not by one max-shape step."""
     extra_bytes: int = 0
     """Bytes a mechanism outside memkit's plans adds to the peak (torchtitan selective AC, lit-gpt's
     per-chunk lm_head casts)."""
@@ -182,9 +191,42 @@ def map_record(record: dict, *, configs_dir: Path) -> Case:
     else:
         kind, metric = "regression", _metric(meas, approx)
     base["measured_bytes"] = measured
+    lengths: tuple[int, ...] = ()
+    if record.get("length_stats"):
+        lengths = lengths_from_stats(record["length_stats"], max_length=plan.seq_len)
+        approx.append("variable-length data priced by the variable-length replay (estimate/varlen.py, default "
+                      "segments) over a lognormal with the source's stated length mean/sd/min/max (the family "
+                      "is memkit's assumption; the source publishes no histogram)")
     return Case(kind=kind, metric=metric, model=model, plan=plan, hardware=hardware, approx=tuple(approx),
                 max_fit_batch=meas.get("max_batch_fits", 0), alternatives=tuple(alternatives),
-                stack=stack, extra_bytes=extra, summary=_summary(plan), **base)
+                stack=stack, extra_bytes=extra, summary=_summary(plan), sample_lengths=lengths, **base)
+
+
+def lengths_from_stats(stats: dict, *, max_length: int) -> tuple[int, ...]:
+    """Sample lengths from a source's stated length statistics (`length_stats`: mean, sd, min, max,
+    samples, over_max_length): `samples` draws (seeded) from the lognormal whose mean and standard
+    deviation are the stated ones (sigma^2 = ln(1 + sd^2/mean^2), mu = ln(mean) - sigma^2/2), clipped
+    to [min, max]; then samples longer than max_length are dropped ('delete': ms-swift 1.5
+    swift/llm/utils/template.py _encode returns None) or cut to it ('truncate'). A lognormal because
+    document lengths are right-skewed and positive; the source states only the moments."""
+    import random
+
+    mean, sd = float(stats["mean"]), float(stats["sd"])
+    lo, hi = int(stats.get("min", 1)), int(stats.get("max", 10 ** 9))
+    if mean <= 0 or sd < 0 or lo > hi:
+        raise MemkitError(f"length_stats {stats!r}: needs mean > 0, sd >= 0, min <= max")
+    sigma2 = math.log(1 + (sd / mean) ** 2)
+    mu = math.log(mean) - sigma2 / 2
+    rng = random.Random(0)
+    drawn = [min(hi, max(lo, int(rng.lognormvariate(mu, math.sqrt(sigma2)))))
+             for _ in range(int(stats.get("samples", 4000)))]
+    if stats.get("over_max_length", "truncate") == "delete":
+        kept = tuple(n for n in drawn if n <= max_length)
+    else:
+        kept = tuple(min(n, max_length) for n in drawn)
+    if not kept:
+        raise MemkitError(f"length_stats {stats!r}: no sample is at most max_length {max_length}")
+    return kept
 
 
 # Versions per source, from SOURCES.md next to the data: S1 "transformers about 4.16" (Jan 2022;
@@ -215,6 +257,8 @@ SOURCE_FRAMEWORK = {
     "peft_method_comparison": "peft_custom_loop",         # holdout H1: method_comparison/MetaMathQA/run.py
     "torchtune_readme_2024_04": "torchtune",              # holdout H2
     "torchtune_readme_2024_11": "torchtune",              # holdout H3
+    "ms_swift_benchmark_2024_01": "ms_swift",             # holdout H4: modelscope/ms-swift `swift sft`
+    "qwen_finetune_profiling": "qwen_finetune",           # holdout H5: QwenLM/Qwen finetune.py
 }
 
 
@@ -328,6 +372,9 @@ def _metric(meas: dict, approx: list[str]) -> str:
         return "reserved"
     if "max_memory_allocated" in text or "tracemalloc" in text:
         return "allocated"
+    if "unstated" in text and "nvidia-smi presumed" in text:
+        approx.append("metric unstated by the source; nvidia-smi used presumed")
+        return "nvidia_smi"
     if "nvml" in text or "nvidia-smi" in text or meas["scope"] in ("device_used", "whole_device_used_after_training"):
         return "nvidia_smi"
     approx.append(f"metric unstated ({meas['metric']}); compared with allocated")
@@ -402,6 +449,11 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
     if text.startswith("bf16_mixed"):
         return "bf16", ""
     if text.startswith("bf16_pure") or text.startswith("bf16 weights"):
+        if "trainer bf16=true autocast" in text:
+            # HF Trainer bf16=True over a bf16-loaded model: every weight and activation is already bf16,
+            # autocast changes only its fp32-listed ops (softmax, log_softmax: aten/src/ATen/autocast_mode.cpp)
+            approx.append("Trainer bf16 autocast over bf16 weights priced as bf16-pure (autocast's fp32 ops "
+                          "not priced apart)")
         return "bf16-pure", ""
     if text.startswith("bf16 compute"):  # a 4-bit base's compute dtype: its mapping in _quantized_base
         return "bf16", ""
@@ -649,10 +701,14 @@ def score(case: Case) -> Outcome:
         if case.kind == "activation_probe":
             return _score_probe(case)
         est = estimate_memory(case.model, case.plan, case.hardware, stack=case.stack)
+        predicted = getattr(est, METRIC_FIELDS[case.metric]) + case.extra_bytes
+        one_shape = {}
+        if case.sample_lengths:
+            one_shape = {"one shape": predicted}
+            predicted = getattr(_varlen(case), METRIC_FIELDS[case.metric]) + case.extra_bytes
     except MemkitError as exc:
         return Outcome(case=case, error=str(exc))
-    predicted = getattr(est, METRIC_FIELDS[case.metric]) + case.extra_bytes
-    alts = {}
+    alts = dict(one_shape)
     for label, plan in case.alternatives:
         try:
             alts[label] = getattr(estimate_memory(case.model, plan, case.hardware, stack=case.stack),
@@ -671,6 +727,18 @@ def score(case: Case) -> Outcome:
     best = max_fitting_batch(case, limit=max(64, 8 * case.max_fit_batch))
     return Outcome(case=case, predicted_bytes=predicted, passed=fits, estimate=est, alternatives=alts,
                    detail=f"pred max bs {best if best is not None else '>limit'} vs published {case.max_fit_batch}")
+
+
+def _varlen(case: Case):
+    """The case's run through the variable-length replay, its batches padded to their longest sample
+    (the Trainer's collators; ms-swift data_collate_fn pads to the batch's longest), on the
+    allocator its plan states -- what `memkit estimate --lengths` prints for that data."""
+    from memkit.estimate.varlen import estimate_varlen, step_lengths
+
+    steps = step_lengths(list(case.sample_lengths), micro_batch=case.plan.micro_batch_size,
+                         seq_len=case.plan.seq_len)
+    return estimate_varlen(case.model, case.plan, case.hardware, steps,
+                           expandable_segments=case.plan.alloc_conf == "expandable", stack=case.stack)
 
 
 def _score_probe(case: Case) -> Outcome:
@@ -750,11 +818,13 @@ def upper_bound(o: Outcome) -> int:
     framework out, estimate/residuals_table.py), so coverage is judged as on a framework memkit
     has not seen; a row of a framework outside the calibration (the holdout file) gets the
     published margin, which never saw it either."""
-    from memkit.estimate.bounds import margin
+    from memkit.estimate.bounds import margin, uncovered_kinds
     from memkit.estimate.residuals_table import LEAVE_ONE_FRAMEWORK_OUT, RESIDUAL_MARGIN
 
     table = LEAVE_ONE_FRAMEWORK_OUT.get(framework_of(o.case.source_id), RESIDUAL_MARGIN)
-    return int(o.predicted_bytes * (1 + margin(o.case.plan, table, figure=o.case.metric)))
+    # a kind of plan no calibration framework covers gets the wider margin, as estimate's bound does
+    uncovered = uncovered_kinds(o.case.model, o.case.plan, variable_length=bool(o.case.sample_lengths))
+    return int(o.predicted_bytes * (1 + margin(o.case.plan, table, figure=o.case.metric, uncovered=uncovered)))
 
 
 def framework_coverage(outcomes: list[Outcome]) -> dict[str, tuple[int, int]]:

@@ -35,6 +35,36 @@ MIN_ROWS = 5
 """A kind with fewer calibration rows than this uses the quantile over all rows."""
 
 
+UNCOVERED_QUANTILE = 1.0
+"""The quantile of the residuals that bounds a plan of a kind no calibration framework covers
+(uncovered_kinds): the largest under-prediction seen on any of them. Leaving one framework out
+judges a margin only on kinds some other framework also holds; for a kind none holds there is no
+fold to judge it on, so the bound takes the worst memkit has missed by rather than a quantile
+chosen by coverage (issue 20, item 5)."""
+
+
+def uncovered_kinds(model, plan: TrainingPlan, *, variable_length: bool = False) -> tuple[str, ...]:
+    """Why no framework of the calibration covers this kind of plan, one 'kind: detail' per kind, or ():
+    - a remote-code model priced by its structural mapping (spec/hf.py REMOTE_FAMILIES): the
+      calibration holds none, and the mapping, not the model's own code, is what is priced;
+    - LoRA longer than the calibration's longest LoRA run (residuals_table.COVERED_LORA_SEQ_LEN):
+      LoRA's peak is its activations and logits, which grow with the sequence while the frozen
+      weights do not, so shorter runs do not bound it;
+    - variable-length data priced by the variable-length replay (estimate/varlen.py): every
+      calibration row is priced as one shape."""
+    from memkit.estimate.residuals_table import COVERED_LORA_SEQ_LEN
+    from memkit.spec.hf import REMOTE_FAMILIES
+
+    out = []
+    if model is not None and model.model_type in REMOTE_FAMILIES and model.extra.get("approximations"):
+        out.append(f"remote code: model_type {model.model_type!r} priced by its structural mapping, none in the calibration")
+    if plan.is_lora and plan.seq_len > COVERED_LORA_SEQ_LEN:
+        out.append(f"LoRA long sequence: seq_len {plan.seq_len} > {COVERED_LORA_SEQ_LEN}, the calibration's longest LoRA run")
+    if variable_length:
+        out.append("variable-length data: priced by the variable-length replay, the calibration's runs as one shape")
+    return tuple(out)
+
+
 def plan_kind(plan: TrainingPlan) -> str:
     return ("lora" if plan.is_lora else "full") + ("/1gpu" if plan.num_gpus == 1 else "/multi")
 
@@ -54,12 +84,17 @@ def figure_kind(figure: str) -> str:
     return "allocated" if figure == "allocated" else "cached"
 
 
-def margin(plan: TrainingPlan, table: dict[str, float] | None = None, *, figure: str = "nvidia_smi") -> float:
+def margin(plan: TrainingPlan, table: dict[str, float] | None = None, *, figure: str = "nvidia_smi",
+           uncovered: tuple[str, ...] = ()) -> float:
     """Relative margin for `figure` of `plan` (>= 0: a bound is never below the prediction). The
-    published table is keyed by figure kind, a local profile's by plan kind; else 'all'."""
+    published table is keyed by figure kind, a local profile's by plan kind; else 'all'. With
+    `uncovered` reasons (uncovered_kinds) the margin is at least the UNCOVERED_QUANTILE one."""
     if table is None:
         from memkit.estimate.residuals_table import RESIDUAL_MARGIN as table
     value = table.get(figure_kind(figure), table.get(plan_kind(plan), table.get("all", 0.0)))
+    if uncovered:
+        from memkit.estimate.residuals_table import UNCOVERED_MARGIN
+        value = max(value, UNCOVERED_MARGIN.get(figure_kind(figure), UNCOVERED_MARGIN["all"]))
     return max(0.0, value)
 
 

@@ -25,7 +25,7 @@ from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_logits, loss_path_bytes, numerics
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.backward_techniques import offloaded_activation_bytes
-from memkit.estimate.bounds import QUANTILE_LABEL, margin
+from memkit.estimate.bounds import QUANTILE_LABEL, margin, uncovered_kinds
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
 from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
@@ -78,29 +78,43 @@ def estimate_memory(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, *,
     if plan.pp > 1:
         notes = worst.notes + (f"pipeline stage {stages.index(worst)} of {plan.pp} has the largest peak",)
         worst = replace(worst, notes=notes)
-    return with_upper_bounds(worst, plan, device=device, table=margins)
+    return with_upper_bounds(worst, plan, device=device, table=margins, model=model)
 
 
 def with_upper_bounds(est: MemoryEstimate, plan: TrainingPlan, *, device: str = "cuda",
-                      table: dict[str, float] | None = None, basis: str = "") -> MemoryEstimate:
+                      table: dict[str, float] | None = None, basis: str = "",
+                      model: ModelSpec | None = None, variable_length: bool = False) -> MemoryEstimate:
     """`est` with its upper bounds: + the QUANTILE margin for each figure (estimate/bounds.py;
-    `table` overrides the published one, e.g. with a local profile's). On CPU the allocator does
+    `table` overrides the published one, e.g. with a local profile's). A plan of a kind no
+    calibration framework covers (bounds.uncovered_kinds of `model` and `plan`) gets the wider
+    UNCOVERED_MARGIN from the published table, and the basis says why. On CPU the allocator does
     not cache and memkit is exact to a few %: the bounds equal the prediction."""
     priced = device == "cuda" or table is not None
-    m = margin(plan, table, figure="nvidia_smi") if priced else 0.0  # reserved and nvidia-smi
-    m_alloc = margin(plan, table, figure="allocated") if priced else 0.0
+    uncovered = uncovered_kinds(model, plan, variable_length=variable_length) if priced and table is None else ()
+    m = margin(plan, table, figure="nvidia_smi", uncovered=uncovered) if priced else 0.0  # reserved and nvidia-smi
+    m_alloc = margin(plan, table, figure="allocated", uncovered=uncovered) if priced else 0.0
     if not basis and table is None:
-        from memkit.estimate.residuals_table import LOSO_COVERAGE, NUM_ROWS
+        from memkit.estimate.residuals_table import LOFO_COVERAGE, LOFO_WORST_FOLD, NUM_ROWS
         basis = (f"{QUANTILE_LABEL} of under-prediction on {NUM_ROWS} published GPU runs, pooled by "
                  f"figure: allocated +{m_alloc:.0%}, reserved/nvidia-smi +{m:.0%}; covers "
-                 f"{LOSO_COVERAGE:.0%} of a held-out source's runs") if device == "cuda" \
-            else "CPU: exact replay"
+                 f"{LOFO_COVERAGE:.0%} of a left-out framework's runs (worst fold {LOFO_WORST_FOLD[0]} "
+                 f"{LOFO_WORST_FOLD[1]:.0%})") if device == "cuda" else "CPU: exact replay"
+        if uncovered:
+            basis = (f"the largest under-prediction on {NUM_ROWS} published GPU runs: allocated +{m_alloc:.0%}, "
+                     f"reserved/nvidia-smi +{m:.0%}, because no calibration framework covers "
+                     + "; ".join(uncovered))
     notes = tuple(n for n in est.notes if not n.startswith("near the edge"))
     if device == "cuda" and est.nvidia_smi_peak_bytes * (1 + m) > est.device_total_bytes >= est.nvidia_smi_peak_bytes:
         notes = notes + (f"near the edge: the upper bound ({est.nvidia_smi_peak_bytes * (1 + m) / GIB:.1f} GiB) "
                          f"exceeds the device ({est.device_total_bytes / GIB:.1f} GiB)",)
-    return replace(est, allocated_peak_upper_bytes=int(est.allocated_peak_bytes * (1 + m_alloc)),
-                   reserved_peak_upper_bytes=int(est.reserved_peak_bytes * (1 + m)),
+    reserved_upper = int(est.reserved_peak_bytes * (1 + m))
+    # allocated never exceeds reserved (the allocator's blocks lie in its segments), so neither do their bounds
+    # (the allocated residuals' largest, UNCOVERED_MARGIN, can exceed the cached one)
+    allocated_upper = int(est.allocated_peak_bytes * (1 + m_alloc))
+    if device == "cuda":
+        allocated_upper = min(allocated_upper, max(reserved_upper, est.allocated_peak_bytes))
+    return replace(est, allocated_peak_upper_bytes=allocated_upper,
+                   reserved_peak_upper_bytes=reserved_upper,
                    nvidia_smi_peak_upper_bytes=int(est.nvidia_smi_peak_bytes * (1 + m)),
                    upper_margin=round(m, 4), upper_basis=basis, notes=notes)
 

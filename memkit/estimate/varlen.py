@@ -161,8 +161,17 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
             chunks[name if name in shared else f"{name}@{length}"] = sizes
         for name, stream in trace["streams"].items():
             streams[name if name in shared else f"{name}@{length}"] = stream
-    stats = replay(moment_events(moments, chunks, streams),
-                   AllocatorConfig(caching=device == "cuda", expandable_segments=expandable_segments))
+    events = moment_events(moments, chunks, streams)
+    stats = replay(events, AllocatorConfig(caching=device == "cuda", expandable_segments=expandable_segments))
+    capacity = hardware.gpu.memory_bytes - first["outside"]
+    if device == "cuda" and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
+        # As memory.py's one-shape replay: over the device only through the cache, torch frees its
+        # cached segments and retries the failing cudaMalloc (c10/cuda/CUDACachingAllocator.cpp
+        # malloc: release_cached_blocks then alloc_block), so reserved is what it holds then.
+        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity,
+                                                expandable_segments=expandable_segments))
+        if not capped.ran_out:
+            stats = capped
     longest = max(steps)
     allocated = max(stats.allocated_peak_bytes, single[longest].allocated_peak_bytes)
     reserved = max(stats.reserved_peak_bytes, allocated)
