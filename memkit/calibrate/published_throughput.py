@@ -11,7 +11,7 @@ Scoring rules (SOURCES_THROUGHPUT.md, "Fields"):
 - `length_varies` records and epochs of unstated size are ranked only (`absolute=False`): their
   true tokens per sample are unknown, so only their order within a group means something;
 - rank agreement is judged within groups of the same source, model and GPU (and seq_len where the
-  length varies): every pair with different measured figures is concordant when the predicted
+  length varies, and the software stack where the record states one): every pair with different measured figures is concordant when the predicted
   figures order it the same way.
 """
 from __future__ import annotations
@@ -97,6 +97,10 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
     group = f"{source}|{record['model']['name']}|{record.get('memkit_gpu') or record['gpu']}"
     if record.get("length_varies"):
         group += f"|s{record['seq_len']}"
+    if record.get("stack"):
+        # one group per stated stack: runs of one commit share data order and versions; a pair across
+        # torch releases is no choice between plans (peft_method_comparison, SOURCES_holdout.md)
+        group += "|" + ",".join(f"{k}={v}" for k, v in sorted(record["stack"].items()))
     base = dict(case_id=rid, source_id=source, group=group, measured_tps_per_gpu=measured,
                 absolute=absolute and not record.get("length_varies"),
                 mfu_reported=record["measured"].get("mfu_reported"))
