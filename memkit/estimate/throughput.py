@@ -79,8 +79,8 @@ al. 2021, Sec. 6.2) stripes several for more."""
 GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 68,
                                  "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
-AdamW (fused / foreach): fp32 param, grad, m, v read (16) and param, m, v written (12) + the
-16-bit copy (4 with its read). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
+AdamW: the fused fp32 step with the 16-bit copy, adamw_step_bytes(4, fused=True, master_copy=True);
+the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
 and v read and written (4), param written (2 for its 16-bit copy); the paged variant runs the
 same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
 (transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
