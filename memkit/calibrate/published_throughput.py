@@ -11,7 +11,7 @@ Scoring rules (SOURCES_THROUGHPUT.md, "Fields"):
 - `length_varies` records and epochs of unstated size are ranked only (`absolute=False`): their
   true tokens per sample are unknown, so only their order within a group means something;
 - rank agreement is judged within groups of the same source, model and GPU (and seq_len where the
-  length varies): every pair with different measured figures is concordant when the predicted
+  length varies, and the software stack where the record states one): every pair with different measured figures is concordant when the predicted
   figures order it the same way.
 """
 from __future__ import annotations
@@ -75,6 +75,8 @@ class ThroughputCase:
     """Activation offload on a side stream (the record's offload_activations_streams)."""
     hf_checkpointing: bool = False
     """The run checkpoints through the HF Trainer's gradient_checkpointing_enable() defaults."""
+    fused_optimizer: bool = False
+    """The run builds torch.optim.AdamW(fused=True) (the record's optimizer_raw says so)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -97,6 +99,10 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
     group = f"{source}|{record['model']['name']}|{record.get('memkit_gpu') or record['gpu']}"
     if record.get("length_varies"):
         group += f"|s{record['seq_len']}"
+    if record.get("stack"):
+        # one group per stated stack: runs of one commit share data order and versions; a pair across
+        # torch releases is no choice between plans (peft_method_comparison, SOURCES_holdout.md)
+        group += "|" + ",".join(f"{k}={v}" for k, v in sorted(record["stack"].items()))
     base = dict(case_id=rid, source_id=source, group=group, measured_tps_per_gpu=measured,
                 absolute=absolute and not record.get("length_varies"),
                 mfu_reported=record["measured"].get("mfu_reported"))
@@ -112,6 +118,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           lora_adapter_dtype=_lora_adapter_dtype(record),
                           offload_streams=bool(record.get("offload_activations_streams")),
                           hf_checkpointing=_hf_trainer(record),
+                          fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
                           approx=tuple(approx), **base)
 
 
@@ -261,6 +268,8 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
         optimizer_in_backward=bool(record.get("optimizer_in_backward")),
         micro_batch_size=int(record["micro_batch_size"]), grad_accum=int(record["grad_accum"] or 1),
         seq_len=int(record["seq_len"]), dp=n // (tp * pp), tp=tp, pp=pp,
+        # the record's max gradient norm where it states one (0: the framework clips none), else memkit's default
+        **({"gradient_clipping": float(record["gradient_clipping"])} if record.get("gradient_clipping") is not None else {}),
         tp_engine="tp_plan" if engine == "torch" else "autotp", sequence_parallel=tp > 1 and engine == "torch",
         **lora_kw)
     plans: tuple[TrainingPlan, ...] = (plan,)
@@ -329,7 +338,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    reduce_itemsize=case.reduce_itemsize,
                                    backward_prefetch=case.backward_prefetch,
                                    compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
-                                   offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing)
+                                   offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing,
+                                   fused_optimizer=case.fused_optimizer)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memkit.estimate import kernels
-from memkit.estimate.backward_techniques import IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s
+from memkit.estimate.backward_techniques import (IN_BACKWARD_OPS_PER_TENSOR, activation_offload_transfer_s,
+                                                 offloaded_activation_bytes)
 from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import recompute_share
 from memkit.estimate.throughput import (CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMIZER_BYTES_PER_PARAM,
                                         HOST_MEMORY_GBPS_PER_NODE, NVME_GBPS_PER_NODE, OP_DISPATCH_S,
-                                        OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER, _amp_fp32_weights,
-                                        _elementwise_pass, _elt, _Pass, _param_tensors, _trainable_per_gpu,
+                                        CLIP_GRAD_PASSES, OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER,
+                                        _amp_fp32_weights, _elementwise_pass, _elt, _grad_bytes, adamw_step_bytes, _Pass, _param_tensors, _trainable_per_gpu,
                                         activation_offload_exposed_s, matmul_params, peft_fp32_adapters)
 from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import GPU, Hardware
@@ -45,6 +46,7 @@ class StepContext:
     offload_streams: bool = False
     hf_checkpointing: bool = False
     lora_adapter_dtype: str | None = None
+    fused_optimizer: bool = False
 
 
 @dataclass(slots=True)
@@ -177,8 +179,18 @@ class ActivationOffload(StepTechnique):
         moved = activation_offload_transfer_s(c.model, c.plan, c.gpu.pcie_gbps)
         if c.offload_streams:
             t.offload_micro_s += activation_offload_exposed_s(moved, fwd_s=t.compute.fwd_s, bwd_s=t.bwd_window_s)
+            # The side stream hides the PCIe time, not the HBM traffic: the copy engines read each
+            # offloaded tensor out of HBM in forward and write it back in backward, bandwidth the
+            # compute kernels running beside them lose (side_stream_hbm_s).
+            t.offload_micro_s += side_stream_hbm_s(c.gpu, offloaded_activation_bytes(c.model, c.plan))
         else:   # memkit's runner copies on the compute stream (train/backward_techniques.py)
             t.offload_micro_s += moved
+
+
+def side_stream_hbm_s(gpu: GPU, offloaded_bytes: float) -> float:
+    """Seconds of HBM bandwidth an overlapped activation offload takes from compute per micro-step:
+    the bytes read for the device->host copy and written again for the host->device one."""
+    return kernels.memory_time_s(gpu, 2 * offloaded_bytes)
 
 
 class ParamOffload(StepTechnique):
@@ -197,9 +209,10 @@ class ParamOffload(StepTechnique):
 
 
 class OptimizerStep(StepTechnique):
-    """The optimizer step on the GPU, memory-bound (GPU_OPTIMIZER_BYTES_PER_PARAM) or, where
-    torch loops over tensors, dispatch-bound (OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER);
-    none when the optimizer is offloaded (OptimizerOffload prices the CPU step)."""
+    """The optimizer step on the GPU, memory-bound (GPU_OPTIMIZER_BYTES_PER_PARAM; AdamW by its
+    implementation, throughput.adamw_step_bytes) or, where torch loops over tensors, dispatch-bound
+    (OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER); none when the optimizer is offloaded
+    (OptimizerOffload prices the CPU step)."""
 
     def exposed(self, c, t):
         plan = c.plan
@@ -208,11 +221,57 @@ class OptimizerStep(StepTechnique):
         partition = _trainable_per_gpu(c.model, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
         bytes_per_param = GPU_OPTIMIZER_BYTES_PER_PARAM[plan.optimizer]
         ops_per_tensor = OPTIMIZER_OPS_PER_TENSOR[plan.optimizer]
+        if plan.optimizer == "adamw":
+            # DeepSpeed steps its fp32 partition with FusedAdam; torch.optim.AdamW takes the foreach
+            # path unless the run asks for fused=True (StepContext.fused_optimizer).
+            torch_engine = plan.engine == "torch"
+            bytes_per_param = adamw_step_bytes(
+                state_itemsize(c, t), fused=c.fused_optimizer or not torch_engine,
+                master_copy=plan.is_mixed and not _amp_fp32_weights(plan))
         if plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER and not c.how.foreach_optimizer:
             ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
         t.optimizer_s = kernels.memory_time_s(c.gpu, partition * bytes_per_param)
         if plan.engine == "torch":   # DeepSpeed steps flattened partitions: a handful of launches
-            t.optimizer_s = max(t.optimizer_s, _param_tensors(c.model, plan) * ops_per_tensor * OP_DISPATCH_S)
+            host_s = _param_tensors(c.model, plan) * ops_per_tensor * OP_DISPATCH_S
+            # bitsandbytes synchronizes after each tensor (BNB_SYNC_PER_TENSOR): no overlap of the
+            # host's issue with the kernels, the two add up.
+            t.optimizer_s = t.optimizer_s + host_s if plan.optimizer in BNB_OPTIMIZERS else max(t.optimizer_s, host_s)
+
+
+def state_itemsize(c: StepContext, t: StepTerms) -> int:
+    """Bytes per element of the trainable parameters, their gradients and torch's optimizer states
+    (zeros_like(param), torch/optim/adam.py _init_group): 2 under the torch engine's bf16-pure, 4
+    otherwise (fp32 masters; DeepSpeed keeps an fp32 partition under bf16 too) and for peft's fp32
+    adapters (StepTerms.fp32_adapters)."""
+    pure16 = c.plan.precision == "bf16-pure" and c.plan.engine == "torch"
+    return 2 if pure16 and not (c.plan.is_lora and t.fp32_adapters) else 4
+
+
+class GradClipping(StepTechnique):
+    """--gradient-clipping > 0: the global norm and the unconditional rescale (CLIP_GRAD_PASSES) over
+    this GPU's gradients, once per optimizer step, memory-bound. The optimizer in backward steps
+    each tensor before the norm exists, so torchtune refuses the pair and memkit prices none. With
+    the optimizer offloaded, DeepSpeed clips the fp32 gradients on the host inside the CPU step
+    (runtime/zero/stage_1_and_2.py unscale_and_clip_grads on the CPU partition), which
+    OptimizerOffload's CPU_ADAM_BYTES_PER_PARAM covers."""
+
+    def exposed(self, c, t):
+        plan = c.plan
+        if plan.gradient_clipping <= 0 or plan.optimizer_in_backward or plan.offload_optimizer != "none":
+            return
+        partition = _trainable_per_gpu(c.model, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+        itemsize = 4 if plan.engine == "deepspeed" else max(_grad_bytes(plan), state_itemsize(c, t))
+        t.optimizer_s += kernels.memory_time_s(c.gpu, CLIP_GRAD_PASSES * itemsize * partition)
+
+
+BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
+BNB_SYNC_PER_TENSOR = True
+"""bitsandbytes' Optimizer8bit.step calls torch.cuda.synchronize() after every parameter's
+update_step (bitsandbytes/optim/optimizer.py, 0.41.0 through 0.50: `self.update_step(group, p,
+gindex, pindex)` then the sync, and once more at the end when paged). The host therefore cannot
+run ahead: each tensor's launches wait for the previous tensor's kernel, and under the optimizer in
+backward (one optimizer per parameter, stepped in its gradient hook) every hook drains the
+backward's queue, so the GPU idles while the host issues the hook's ops and the next backward op."""
 
 
 class OptimizerInBackward(StepTechnique):
@@ -223,7 +282,10 @@ class OptimizerInBackward(StepTechnique):
         plan = c.plan
         if plan.optimizer_in_backward and plan.offload_optimizer == "none":
             per_tensor = IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
-            t.optimizer_s = max(t.optimizer_s, _param_tensors(c.model, plan) * per_tensor * OP_DISPATCH_S)
+            tensors = _param_tensors(c.model, plan)
+            t.optimizer_s = max(t.optimizer_s, tensors * per_tensor * OP_DISPATCH_S)
+            if plan.optimizer in BNB_OPTIMIZERS and BNB_SYNC_PER_TENSOR:
+                t.optimizer_s += tensors * (per_tensor + 1) * OP_DISPATCH_S
 
 
 class Pipeline(StepTechnique):
@@ -242,5 +304,5 @@ class Pipeline(StepTechnique):
 
 STEP_TECHNIQUES: tuple[StepTechnique, ...] = (Checkpointing(), Loss(), MixedPrecision(), QuantizedBase(), Lora(),
                                               OptimizerOffload(), ActivationOffload(), ParamOffload(),
-                                              OptimizerStep(), OptimizerInBackward(), Pipeline())
+                                              OptimizerStep(), OptimizerInBackward(), GradClipping(), Pipeline())
 """In the order they run: a later one reads (and may override) what an earlier one set."""

@@ -79,14 +79,44 @@ al. 2021, Sec. 6.2) stripes several for more."""
 GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 68,
                                  "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
-AdamW (fused / foreach): fp32 param, grad, m, v read (16) and param, m, v written (12) + the
-16-bit copy (4 with its read). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
+AdamW: the fused fp32 step with the 16-bit copy, adamw_step_bytes(4, fused=True, master_copy=True);
+the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
 and v read and written (4), param written (2 for its 16-bit copy); the paged variant runs the
 same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
 (transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
 the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
 and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
 momentum: param, grad, buffer read, param and buffer written (12 with the copy)."""
+
+ADAMW_FOREACH_PASSES = 20
+"""Element passes of torch's default AdamW step (torch/optim/adam.py _multi_tensor_adam, the
+foreach path torch.optim.AdamW takes on CUDA when neither foreach nor fused is given,
+torch/optim/optimizer.py _default_to_fused_or_foreach), each one state-sized tensor read or
+written: _foreach_mul_(params, 1 - lr*wd) 2, _foreach_lerp_(exp_avgs, grads) 3,
+_foreach_mul_(exp_avg_sqs) 2, _foreach_addcmul_(exp_avg_sqs, grads, grads) 3,
+_foreach_sqrt(exp_avg_sqs) 2 (a new tensor), _foreach_div_ 2, _foreach_add_(eps) 2,
+_foreach_addcdiv_(params, exp_avgs, denom) 4. Every pass is its own kernel over HBM."""
+
+ADAMW_FUSED_PASSES = 7
+"""torch's fused AdamW (AdamW(fused=True): torch/optim/adam.py _fused_adam -> _fused_adamw_) and
+DeepSpeed's FusedAdam (deepspeed/ops/adam/fused_adam.py, one multi_tensor_adam kernel): param,
+grad, exp_avg, exp_avg_sq read, param, exp_avg, exp_avg_sq written."""
+
+CLIP_GRAD_PASSES = 3
+"""torch.nn.utils.clip_grad_norm_ (torch/nn/utils/clip_grad.py): _get_total_norm runs
+torch._foreach_norm over every gradient (one read), _clip_grads_with_norm_ then
+torch._foreach_mul_(grads, clip_coef_clamped) unconditionally (the coefficient is clamped to 1,
+not skipped: one read and one write). DeepSpeed ZeRO-1/2 does the same over its fp32 gradient
+partition (runtime/zero/stage_1_and_2.py scaled_global_norm -> unscale_and_clip_grads)."""
+
+
+def adamw_step_bytes(state_itemsize: int, *, fused: bool, master_copy: bool) -> int:
+    """HBM bytes per trainable parameter of one AdamW step: ADAMW_FUSED_PASSES or
+    ADAMW_FOREACH_PASSES element passes at the states' item size (the parameter's: bf16 under
+    bf16-pure, torch's optimizer states are zeros_like(param)), plus the 16-bit copy of an fp32
+    master (4 with its read) where the engine keeps one."""
+    return (ADAMW_FUSED_PASSES if fused else ADAMW_FOREACH_PASSES) * state_itemsize + 4 * master_copy
+
 
 OPTIMIZER_OPS_PER_TENSOR = {"adamw": 0, "sgd": 0, "adamw-8bit": 3, "paged-adamw-8bit": 3, "adafactor": 15}
 """Python-issued ops per parameter tensor in the optimizer step, where the implementation loops
@@ -792,7 +822,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
                        backward_prefetch: str = "pre", compiled: bool = False,
                        lora_adapter_dtype: str | None = None, offload_streams: bool = False,
-                       hf_checkpointing: bool = False) -> StepTimeEstimate:
+                       hf_checkpointing: bool = False, fused_optimizer: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -810,7 +840,9 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     (activation_offload_exposed_s: torchtune's); memkit's runner copies on the compute stream.
     `hf_checkpointing`: the run checkpoints through transformers' gradient_checkpointing_enable()
     with its default kwargs, reentrant before transformers 5.0 (spec/stack.py): no early stop.
-    memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py)."""
+    memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py).
+    `fused_optimizer`: the run builds torch.optim.AdamW(fused=True) (ADAMW_FUSED_PASSES); memkit's
+    runner builds the default, foreach one (train/loop.py)."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     from memkit.estimate.step_terms import StepContext, StepTerms
@@ -820,7 +852,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
     c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
-                    lora_adapter_dtype=lora_adapter_dtype)
+                    lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer)
     t = StepTerms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s

@@ -60,11 +60,14 @@ def test_torch_1x_steps_adamw_one_parameter_at_a_time():
     new = estimate_step_time(LLAMA1B, plan, one, stack=Stack(torch="2.3")).components_s["optimizer_step"]
     old = estimate_step_time(LLAMA1B, plan, one, stack=Stack(torch="1.10")).components_s["optimizer_step"]
     assert new == estimate_step_time(LLAMA1B, plan, one).components_s["optimizer_step"]
-    assert new == pytest.approx(kernels.memory_time_s(A100, LLAMA1B.num_params * 32))
+    # torch >= 2.0: the foreach AdamW, 20 fp32 passes (torch/optim/adam.py _multi_tensor_adam), no
+    # 16-bit copy under AMP; then clip_grad_norm_'s norm read and rescale read + write, 3 fp32 passes
+    clip = kernels.memory_time_s(A100, LLAMA1B.num_params * 3 * 4)
+    assert new == pytest.approx(kernels.memory_time_s(A100, LLAMA1B.num_params * 20 * 4) + clip)
     # 9 fp32 passes of 92 B per parameter, or 9 launches per tensor (16 blocks x 9 + 3), whichever is longer
     tensors = 16 * 9 + 3
     assert old == pytest.approx(max(kernels.memory_time_s(A100, LLAMA1B.num_params * 92),
-                                    tensors * 9 * tp_model.OP_DISPATCH_S))
+                                    tensors * 9 * tp_model.OP_DISPATCH_S) + clip)
     assert old > new
     # DeepSpeed steps its flat partitions with its own fused Adam whatever torch is installed
     ds = plan.with_(engine="deepspeed", zero_stage=1)

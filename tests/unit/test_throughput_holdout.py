@@ -19,8 +19,8 @@ def _records() -> dict[str, dict]:
 
 def test_holdout_records_map_with_their_stated_knobs():
     recs = _records()
-    assert len(recs) == 32 and {r["source_id"] for r in recs.values()} == {"torchtune_readme",
-                                                                             "vectorlm_reference_throughput"}
+    assert len(recs) == 43 and {r["source_id"] for r in recs.values()} == {
+        "torchtune_readme", "vectorlm_reference_throughput", "peft_method_comparison"}
     cfg = ROOT / "benchmarks" / "calibration_configs"
     lora = map_record(recs["torchtune-flags-3b-lora"], configs_dir=cfg)
     plan = lora.plans[0]
@@ -34,6 +34,14 @@ def test_holdout_records_map_with_their_stated_knobs():
     assert vl.measured_tps_per_gpu == 12769.23 / 4 and vl.lora_adapter_dtype == "bf16"
     assert map_record(recs["torchtune-flags-3b-qlora"], configs_dir=cfg).skip_reason
     assert not map_record(recs["torchtune-flags-3b-baseline"], configs_dir=cfg).absolute   # unpacked
+    # torchtune's configs set no clip_grad_norm; its LoRA recipe builds AdamW(fused=True)
+    assert lora.plans[0].gradient_clipping == 0.0 and lora.fused_optimizer
+    # peft's MetaMathQA loop: fp32 adapters, clip 1.0, ranked only, grouped per stated stack
+    pm = map_record(recs["peftmc-lora-rank32-torch2.9.0"], configs_dir=cfg)
+    assert pm.lora_adapter_dtype == "fp32" and pm.plans[0].gradient_clipping == 1.0 and not pm.absolute
+    assert pm.group != map_record(recs["peftmc-lora-rank32-torch2.13.0"], configs_dir=cfg).group
+    assert pm.group == map_record(recs["peftmc-full-finetuning-torch2.9.0"], configs_dir=cfg).group
+    assert (pm.plans[0].lora_rank, pm.plans[0].micro_batch_size, pm.plans[0].seq_len) == (32, 4, 210)
 
 
 def test_throughput_accuracy_prints_the_dev_and_holdout_halves(capsys, tmp_path):
