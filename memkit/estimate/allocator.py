@@ -316,3 +316,18 @@ def replay(events, config: AllocatorConfig = AllocatorConfig()) -> ReplayStats:
         else:
             malloc(*event)
     return alloc.stats()
+
+
+def replay_on_device(events, *, caching: bool, expandable_segments: bool, capacity: int) -> ReplayStats:
+    """`replay` on a device of `capacity` bytes for the allocator (device total minus what lives
+    outside it). Over the capacity only through the cache, torch frees its cached segments and
+    retries the failing cudaMalloc (CUDACachingAllocator.cpp malloc: release_cached_blocks, then
+    alloc_block again): if that rescues the run, reserved is what it holds then; else the stats say
+    what it needed (allocated over the capacity runs out whatever the cache does)."""
+    stats = replay(events, AllocatorConfig(caching=caching, expandable_segments=expandable_segments))
+    if caching and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
+        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity,
+                                                expandable_segments=expandable_segments))
+        if not capped.ran_out:
+            return capped
+    return stats

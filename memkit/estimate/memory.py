@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_logits, loss_path_bytes, numerics
-from memkit.estimate.allocator import AllocatorConfig, replay
+from memkit.estimate.allocator import replay_on_device
 from memkit.estimate.backward_techniques import offloaded_activation_bytes
 from memkit.estimate.bounds import QUANTILE_LABEL, margin, uncovered_kinds
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
@@ -471,15 +471,8 @@ def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, 
     events = moment_events(timeline, chunks, streams)
     # the allocator the plan states (TrainingPlan.alloc_conf), replayed as EXPANDABLE_REPLAY_IN_ESTIMATES says
     expandable = cuda and plan.alloc_conf == "expandable" and EXPANDABLE_REPLAY_IN_ESTIMATES
-    stats = replay(events, AllocatorConfig(caching=cuda, expandable_segments=expandable))
-    capacity = (capacity_bytes or hardware.gpu.memory_bytes) - outside
-    if cuda and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
-        # Over the capacity only through the cache: torch frees its cached segments and retries a
-        # failing cudaMalloc; if that rescues the run, reserved is what it holds then, else report
-        # what it needed (allocated > capacity runs out whatever the cache does).
-        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity, expandable_segments=expandable))
-        if not capped.ran_out:
-            stats = capped
+    stats = replay_on_device(events, caching=cuda, expandable_segments=expandable,
+                             capacity=(capacity_bytes or hardware.gpu.memory_bytes) - outside)
     return stats, outside
 
 

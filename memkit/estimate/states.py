@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memkit.plan.plan import TrainingPlan
+from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, TrainingPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +63,7 @@ def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
     state = 2 if precision == "bf16-pure" else 4
     if optimizer == "adamw":
         return 2 * state
-    if optimizer in ("adamw-8bit", "paged-adamw-8bit"):
+    if optimizer in EIGHT_BIT_OPTIMIZERS:
         return 2 * (1 + 4 / 256)
     if optimizer == "adafactor":
         return 4 / 256

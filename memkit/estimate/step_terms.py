@@ -24,7 +24,7 @@ from memkit.estimate.throughput import (CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMI
                                         CLIP_GRAD_PASSES, OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER,
                                         _amp_fp32_weights, _elementwise_pass, _elt, _grad_bytes, adamw_step_bytes, _Pass, _param_tensors, _trainable_per_gpu,
                                         activation_offload_exposed_s, matmul_params, peft_fp32_adapters)
-from memkit.plan.plan import TrainingPlan
+from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, TrainingPlan
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import StackBehaviour
@@ -235,7 +235,8 @@ class OptimizerStep(StepTechnique):
             host_s = _param_tensors(c.model, plan) * ops_per_tensor * OP_DISPATCH_S
             # bitsandbytes synchronizes after each tensor (BNB_SYNC_PER_TENSOR): no overlap of the
             # host's issue with the kernels, the two add up.
-            t.optimizer_s = t.optimizer_s + host_s if plan.optimizer in BNB_OPTIMIZERS else max(t.optimizer_s, host_s)
+            synced = plan.optimizer in EIGHT_BIT_OPTIMIZERS and BNB_SYNC_PER_TENSOR
+            t.optimizer_s = t.optimizer_s + host_s if synced else max(t.optimizer_s, host_s)
 
 
 def state_itemsize(c: StepContext, t: StepTerms) -> int:
@@ -264,7 +265,6 @@ class GradClipping(StepTechnique):
         t.optimizer_s += kernels.memory_time_s(c.gpu, CLIP_GRAD_PASSES * itemsize * partition)
 
 
-BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
 BNB_SYNC_PER_TENSOR = True
 """bitsandbytes' Optimizer8bit.step calls torch.cuda.synchronize() after every parameter's
 update_step (bitsandbytes/optim/optimizer.py, 0.41.0 through 0.50: `self.update_step(group, p,
@@ -284,7 +284,7 @@ class OptimizerInBackward(StepTechnique):
             per_tensor = IN_BACKWARD_OPS_PER_TENSOR[plan.optimizer]
             tensors = _param_tensors(c.model, plan)
             t.optimizer_s = max(t.optimizer_s, tensors * per_tensor * OP_DISPATCH_S)
-            if plan.optimizer in BNB_OPTIMIZERS and BNB_SYNC_PER_TENSOR:
+            if plan.optimizer in EIGHT_BIT_OPTIMIZERS and BNB_SYNC_PER_TENSOR:
                 t.optimizer_s += tensors * (per_tensor + 1) * OP_DISPATCH_S
 
 

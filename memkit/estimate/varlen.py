@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, replace
 
 from memkit.errors import MemkitError
-from memkit.estimate.allocator import AllocatorConfig, replay
+from memkit.estimate.allocator import replay_on_device
 from memkit.estimate.replay import moment_events
 
 PADDINGS = ("longest", "multiple", "seq-len", "packed")
@@ -161,17 +161,9 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
             chunks[name if name in shared else f"{name}@{length}"] = sizes
         for name, stream in trace["streams"].items():
             streams[name if name in shared else f"{name}@{length}"] = stream
-    events = moment_events(moments, chunks, streams)
-    stats = replay(events, AllocatorConfig(caching=device == "cuda", expandable_segments=expandable_segments))
-    capacity = hardware.gpu.memory_bytes - first["outside"]
-    if device == "cuda" and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
-        # As memory.py's one-shape replay: over the device only through the cache, torch frees its
-        # cached segments and retries the failing cudaMalloc (c10/cuda/CUDACachingAllocator.cpp
-        # malloc: release_cached_blocks then alloc_block), so reserved is what it holds then.
-        capped = replay(events, AllocatorConfig(caching=True, capacity=capacity,
-                                                expandable_segments=expandable_segments))
-        if not capped.ran_out:
-            stats = capped
+    stats = replay_on_device(moment_events(moments, chunks, streams), caching=device == "cuda",
+                             expandable_segments=expandable_segments,
+                             capacity=hardware.gpu.memory_bytes - first["outside"])
     longest = max(steps)
     allocated = max(stats.allocated_peak_bytes, single[longest].allocated_peak_bytes)
     reserved = max(stats.reserved_peak_bytes, allocated)

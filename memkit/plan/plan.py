@@ -7,6 +7,7 @@ is estimated as DeepSpeed would run it; the planner sets them explicitly.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Literal, get_args, get_type_hints
 
@@ -20,6 +21,8 @@ from memkit.plan.quantize import QUANTIZE_BASES, quantize_knob_error  # noqa: F4
 
 Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
+EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
+"""The bitsandbytes optimizers (bnb.optim.AdamW8bit, PagedAdamW8bit): 8-bit states, a per-tensor step."""
 Offload = Literal["none", "cpu", "nvme"]
 Attention = Literal["eager", "sdpa", "flash"]
 Engine = Literal["deepspeed", "torch"]
@@ -309,14 +312,10 @@ class TrainingPlan:
         """Raise MemkitError for any knob out of range or contradictory; return self. With the
         hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
         checkpointing K must be below it (memkit/plan/techniques.py)."""
-        if type(self) is TrainingPlan:  # each knob's declared choices and lower bound (knob(...) above)
-            for f, choices, ranged in _declared():
-                value = getattr(self, f.name)
-                if ranged or (choices is not None and value not in choices):
-                    _check_declared(f, value)
-        else:
-            for f in fields(self):
-                _check_declared(f, getattr(self, f.name))
+        for f, choices, ranged in _declared():  # each knob's declared choices and lower bound (knob(...) above)
+            value = getattr(self, f.name)
+            if ranged or (choices is not None and value not in choices):
+                _check_declared(f, value)
         for error in (checkpointing_error(self.checkpointing),
                       loss_knob_error(self.loss, tp=self.tp, pp=self.pp),
                       loss_path_error(self.loss_path, task=self.task)):
@@ -348,7 +347,7 @@ class TrainingPlan:
                 "offload exists only in ZeRO-3; use --zero 3")
         if self.offload_params != "none" and self.engine != "deepspeed":
             raise MemkitError("parameter offload is a DeepSpeed feature; use engine deepspeed")
-        if self.optimizer in ("adamw-8bit", "paged-adamw-8bit", "adafactor") and self.offload_optimizer != "none":
+        if self.optimizer in (*EIGHT_BIT_OPTIMIZERS, "adafactor") and self.offload_optimizer != "none":
             raise MemkitError(
                 f"--optimizer {self.optimizer} cannot be offloaded: DeepSpeed's CPU optimizers are "
                 "Adam/AdamW/Adagrad/Lion; use --optimizer adamw or --offload-optimizer none")
@@ -435,16 +434,12 @@ def flag_name(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-_DECLARED: list = []
-
-
-def _declared() -> list:
+@functools.cache
+def _declared() -> tuple:
     """(field, its declared choices or None, whether it declares a range) of every TrainingPlan
     knob, worked out once: validate() runs for every plan the planner estimates, and a value among
     its choices needs no more of _check_declared."""
-    if not _DECLARED:
-        _DECLARED.extend((f, knob_choices(f), f.metadata.get("range") is not None) for f in fields(TrainingPlan))
-    return _DECLARED
+    return tuple((f, knob_choices(f), f.metadata.get("range") is not None) for f in fields(TrainingPlan))
 
 
 def _check_declared(f, value) -> None:

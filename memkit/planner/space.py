@@ -17,7 +17,7 @@ from memkit.errors import MemkitError
 from memkit.planner import backward
 from memkit.plan.parallel import (bf16_unsupported, pp_choices, run_zero_stages, split_families, split_plan, tp_choices,
                                   tp_spans_nodes, validate_parallel)
-from memkit.plan.plan import (MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, pin_flags,
+from memkit.plan.plan import (EIGHT_BIT_OPTIMIZERS, MAX_MICRO_BATCH, TrainingPlan, bf16_pure_needs_zero, knob_fields, pin_flags,
                               request_knob_fields)
 from memkit.spec.hardware import Hardware
 from memkit.spec.model import ModelSpec
@@ -42,7 +42,6 @@ ALLOWS = ("qlora", "8bit-optimizer")
 stored in 4 bits, memkit/plan/quantize.py) and an 8-bit optimizer (bitsandbytes AdamW8bit, its states
 quantised blockwise: Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", Sec. 2).
 LoRA is never added: it is trained only when --lora-rank asks for it."""
-EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
 
 REFERENCE_OPTIMIZERS = ("adamw",)
 LEAN_OPTIMIZERS = ("adamw-8bit", "adafactor")

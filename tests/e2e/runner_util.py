@@ -119,3 +119,30 @@ def final_params(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def once(tmp_path_factory, key: str, make) -> Path:
+    """Build a folder once per test session, also across pytest-xdist workers, and return it: the
+    workers of one session share the parent of their base temp folders, and a file lock lets the
+    first worker build while the others wait, then read (the pattern in pytest-xdist's docs, "Making
+    session-scoped fixtures execute only once"). A failed build leaves no "done" mark, so the next
+    reader builds again and fails the same way, loudly."""
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is this session's, shared
+        base = base.parent
+    root = base / "shared-runs"
+    root.mkdir(exist_ok=True)
+    folder, done = root / key, root / f"{key}.done"
+    with FileLock(str(root / f"{key}.lock")):
+        if not done.exists():
+            if folder.exists():
+                shutil.rmtree(folder)  # a build that failed earlier in this session
+            folder.mkdir()
+            make(folder)
+            done.write_text("ok\n")
+    return folder

@@ -2,21 +2,16 @@
 (test_corrupt_checkpoint.py, test_checkpoint_trust_e2e.py): each works on a copy of its
 checkpoints and compares its resumed runs' final parameters with this run's.
 
-A session fixture, run once per pytest process: under pytest-xdist every worker may ask for it,
-so the first one launches under a file lock in the session's shared temporary folder (each
-worker's basetemp is the controller's basetemp / "gwN": xdist/workermanage.py, WorkerController
-setup; the pattern of pytest-xdist's how-to "Making session-scoped fixtures execute only once")
-and the others wait and read its result. Without xdist it lives in this session's basetemp."""
+A session fixture: under pytest-xdist the first worker that asks launches it and the others
+read its result (runner_util.py `once`)."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from runner_util import TEXT_DATA, launch, write_bundle, write_tiny_llama
+from runner_util import TEXT_DATA, launch, once, write_bundle, write_tiny_llama
 
 from memkit.plan.plan import TrainingPlan
 
@@ -53,31 +48,22 @@ class Reference:
         return common_args(self.plan_path, self.tiny)
 
 
-def reference_run(root: Path, zero: int) -> Reference:
-    """The uninterrupted run under `root` (launched once; a finished one is reused)."""
-    from filelock import FileLock
+def reference_run(tmp_path_factory, zero: int) -> Reference:
+    """The uninterrupted run, launched once per session (runner_util.py `once`)."""
+    def make(root: Path) -> None:
+        write_tiny_llama(root / "tiny")
+        config, plan_path = write_bundle(root / "bundle", zero_plan(zero))
+        result = launch(config, [*common_args(plan_path, root / "tiny"), "--output-dir", str(root / "whole")])
+        assert result.returncode == 0, result.stdout[-4000:]
 
-    root.mkdir(parents=True, exist_ok=True)
-    tiny, whole = root / "tiny", root / "whole"
-    done = root / "done.json"
-    with FileLock(str(root / "lock")):
-        if not done.exists():
-            write_tiny_llama(tiny)
-            config, plan_path = write_bundle(root / "bundle", zero_plan(zero))
-            result = launch(config, [*common_args(plan_path, tiny), "--output-dir", str(whole)])
-            assert result.returncode == 0, result.stdout[-4000:]
-            done.write_text(json.dumps({"config": str(config), "plan": str(plan_path)}))
-    paths = json.loads(done.read_text())
-    ckpts = whole / "checkpoints"
+    root = once(tmp_path_factory, f"zero{zero}-reference", make)
+    ref = Reference(root / "bundle" / "accelerate.yaml", root / "bundle" / "plan.json", root / "tiny", root / "whole")
+    ckpts = ref.whole / "checkpoints"
     assert [p.name for p in sorted(ckpts.glob("step-*"))] == [step_name(n) for n in range(1, STEPS)]
     assert all((p / "manifest.json").is_file() for p in ckpts.glob("step-*"))
-    return Reference(Path(paths["config"]), Path(paths["plan"]), tiny, whole)
+    return ref
 
 
 @pytest.fixture(scope="session")
 def zero2_reference(tmp_path_factory) -> Reference:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.getbasetemp().parent / "memkit-zero2-reference"  # shared by the workers
-    else:
-        root = tmp_path_factory.getbasetemp() / "memkit-zero2-reference"
-    return reference_run(root, zero=2)
+    return reference_run(tmp_path_factory, zero=2)

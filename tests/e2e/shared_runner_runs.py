@@ -1,45 +1,19 @@
 """Launched runs that several e2e files read (issue 22 item 4: one launch per configuration, not one
 per file that asserts on it).
 
-`once(tmp_path_factory, key, make)` builds a folder once per test session, also across
-pytest-xdist workers: the workers of one session share the parent of their base temp folders,
-and a file lock lets the first worker build while the others wait, then read (the pattern in
-pytest-xdist's docs, "Making session-scoped fixtures execute only once"). A failed build leaves no
-"done" mark, so the next reader builds again and fails the same way, loudly.
+Each is built once per test session, also across pytest-xdist workers (runner_util.py `once`).
 
 The runs here are `memkit suggest --out` bundles launched unchanged (2 CPU processes, DeepSpeed),
 read by tests/e2e/test_suggest_runs.py (the plan trains as written) and tests/e2e/test_runner.py
 (the same launched run's loss, saved folder, and the crash / SIGTERM and resume runs beside it)."""
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from runner_util import QA_DATA, TEXT_DATA, launch, write_tiny_llama
-
-
-def once(tmp_path_factory, key: str, make: Callable[[Path], None]) -> Path:
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is this session's, shared
-        base = base.parent
-    root = base / "shared-runs"
-    root.mkdir(exist_ok=True)
-    from filelock import FileLock
-
-    folder, done = root / key, root / f"{key}.done"
-    with FileLock(str(root / f"{key}.lock")):
-        if not done.exists():
-            if folder.exists():
-                shutil.rmtree(folder)  # a build that failed earlier in this session
-            folder.mkdir()
-            make(folder)
-            done.write_text("ok\n")
-    return folder
+from runner_util import QA_DATA, TEXT_DATA, launch, once, write_tiny_llama
 
 
 @dataclass(frozen=True)

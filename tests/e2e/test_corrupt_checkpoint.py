@@ -59,7 +59,7 @@ def _damage(ckpts: Path) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def zero3_reference(tmp_path_factory) -> Reference:
-    return reference_run(tmp_path_factory.mktemp("zero3"), zero=3)
+    return reference_run(tmp_path_factory, zero=3)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
