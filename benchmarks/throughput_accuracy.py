@@ -2,15 +2,18 @@
 
     python benchmarks/throughput_accuracy.py [--data ../shared/calibration/published_throughput.jsonl]
                                              [--holdout benchmarks/data/holdout_throughput.jsonl]
-                                             [--rows] [--discordant] [--write-uncertainty]
+                                             [--rows] [--show-misordered] [--write-uncertainty]
 
 Prints two halves, dev (--data) and holdout (--holdout: runs kept out of every fit,
 benchmarks/data/SOURCES_holdout.md), each per source and overall: records scored in absolute terms, median |error|, signed mean,
 share within +-20 %, p75 |error|, and rank agreement within each same-model/same-GPU group
-(Kendall tau and share of concordant pairs). Error = (predicted - measured) / measured of tokens/s
-per GPU. `--write-uncertainty` writes the overall p75 |error| to
-presets/step_time_uncertainty.json, which the planner reads as the model's stated uncertainty
-(memkit.estimate.throughput.step_time_uncertainty()).
+(Kendall tau and share of concordant pairs), and p75|r|: the p75 over those pairs (both rows
+scored in absolute terms) of |predicted ratio / measured ratio - 1|
+(memkit.calibrate.published_throughput.pair_ratio_errors). Error = (predicted - measured) /
+measured of tokens/s per GPU. `--write-uncertainty` writes the dev half's overall p75 |error|
+(memkit.estimate.throughput.step_time_uncertainty: how far one prediction may be off) and its
+p75|r| (step_time_ranking_uncertainty: how far the predicted ratio of two plans may be off, which
+the planner's tie and split rules read) to presets/step_time_uncertainty.json.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", action="store_true", help="print every record's prediction")
     ap.add_argument("--write-uncertainty", action="store_true")
     ap.add_argument("--by-gpu", action="store_true", help="also break the figures down by GPU")
-    ap.add_argument("--discordant", action="store_true",
-                    help="print every pair the prediction orders against the measurement (or ties)")
+    ap.add_argument("--show-misordered", "--discordant", dest="discordant", action="store_true",
+                    help="print every pair the prediction orders against the measurement (or ties), with "
+                         "the predicted and measured ratio of the two")
     args = ap.parse_args(argv)
     outcomes = _outcomes(args.data)
     holdout = _outcomes(args.holdout) if str(args.holdout) != "none" else []
@@ -76,9 +80,11 @@ def _report(outcomes: list, args) -> None:
     if args.discordant:
         for a, b, kind in ranked_pairs(outcomes):
             if kind != "concordant":
+                ratio_m = a.case.measured_tps_per_gpu / b.case.measured_tps_per_gpu
+                ratio_p = a.predicted_tps_per_gpu / b.predicted_tps_per_gpu
                 print(f"{kind:10} {a.case.case_id:38} meas {a.case.measured_tps_per_gpu:9.1f} pred "
                       f"{a.predicted_tps_per_gpu:9.1f} | {b.case.case_id:38} meas {b.case.measured_tps_per_gpu:9.1f}"
-                      f" pred {b.predicted_tps_per_gpu:9.1f}")
+                      f" pred {b.predicted_tps_per_gpu:9.1f} | a/b meas {ratio_m:.3f} pred {ratio_p:.3f}")
     table = summarize(outcomes)
     _print_table(table)
     if args.by_gpu:
@@ -91,9 +97,14 @@ def _write_uncertainty(table: dict) -> None:
     path = presets_dir() / "step_time_uncertainty.json"
     doc = {"_about": "Written by benchmarks/throughput_accuracy.py --write-uncertainty: the p75 of "
                      "|predicted - measured| / measured tokens/s over the published runs it scores "
-                     "(../shared/calibration/published_throughput.jsonl). The planner treats plans whose "
-                     "predicted step times differ by less than this as tied.",
+                     "(../shared/calibration/published_throughput.jsonl): step_time_uncertainty(), the "
+                     "error bar of one prediction. p75_pair_ratio_error: the p75 over the same runs' ranked "
+                     "pairs (same source, model and GPU; both rows absolute) of |predicted ratio / measured "
+                     "ratio - 1| (published_throughput.pair_ratio_errors): step_time_ranking_uncertainty(). "
+                     "The planner treats plans whose predicted step times differ by less than it as tied.",
            "p75_abs_error": round(table["ALL"]["p75_abs_pct"] / 100, 4),
+           "p75_pair_ratio_error": round(table["ALL"]["p75_pair_ratio_pct"] / 100, 4),
+           "n_ratio_pairs": table["ALL"]["n_ratio_pairs"],
            "median_abs_error": round(table["ALL"]["median_abs_pct"] / 100, 4),
            "n_scored": table["ALL"]["n_scored"]}
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -102,12 +113,13 @@ def _write_uncertainty(table: dict) -> None:
 
 def _print_table(table: dict, *, title: str = "source") -> None:
     print(f"{title:38} {'n':>4} {'scored':>6} {'med|e|':>7} {'signed':>7} {'<=20%':>6} {'p75|e|':>7}"
-          f" {'pairs':>6} {'tied':>5} {'conc':>6} {'tau':>6}")
+          f" {'pairs':>6} {'tied':>5} {'conc':>6} {'tau':>6} {'p75|r|':>7}")
     for name in sorted(table, key=lambda k: (k == "ALL", k)):
         s = table[name]
         print(f"{name:38} {s['n_records']:4d} {s['n_scored']:6d} {s['median_abs_pct']:6.1f}% "
               f"{s['mean_signed_pct']:+6.1f}% {s['within_20_pct']:6.0%} {s['p75_abs_pct']:6.1f}% "
-              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.1%} {s['kendall_tau']:+6.2f}")
+              f"{s['pairs']:6d} {s['tied']:5d} {s['concordant']:6.1%} {s['kendall_tau']:+6.2f}"
+              f" {s['p75_pair_ratio_pct']:6.1f}%")
 
 
 if __name__ == "__main__":

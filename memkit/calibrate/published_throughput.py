@@ -370,6 +370,21 @@ def ranked_pairs(outcomes: list[ThroughputOutcome]):
                     yield a, b, "concordant" if dm * dp > 0 else "discordant"
 
 
+def pair_ratio_errors(outcomes: list[ThroughputOutcome]) -> list[float]:
+    """|predicted ratio / measured ratio - 1| of every ranked pair (ranked_pairs) whose two rows are
+    both scored in absolute terms: how far off the model is on how much faster one plan is than
+    another of the same source, model and GPU -- the figure a choice between two plans rests on.
+    With a = (1 + e_a) and b = (1 + e_b) the two rows' predicted/measured ratios, it is |a / b - 1|:
+    an error both rows share (the GPU's clock, a framework's fixed overhead) cancels."""
+    errs = []
+    for a, b, _ in ranked_pairs(outcomes):
+        if a.case.absolute and b.case.absolute:
+            predicted = a.predicted_tps_per_gpu / b.predicted_tps_per_gpu
+            measured = a.case.measured_tps_per_gpu / b.case.measured_tps_per_gpu
+            errs.append(abs(predicted / measured - 1.0))
+    return errs
+
+
 def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
     """(concordant, discordant, tied-in-prediction) pairs within each group; pairs with equal
     measured figures are not counted."""
@@ -379,8 +394,8 @@ def rank_agreement(outcomes: list[ThroughputOutcome]) -> tuple[int, int, int]:
 
 def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[str, float]]:
     """Per source (or per `key(case)`) and overall: n, median |err| %, signed mean %, share within
-    +-20 %, p75 |err| %, Kendall tau-a (pooled over the groups' pairs) and share of concordant pairs
-    (pairs the prediction ties count in the denominator)."""
+    +-20 %, p75 |err| %, Kendall tau-a (pooled over the groups' pairs), share of concordant pairs
+    (pairs the prediction ties count in the denominator) and the p75 of pair_ratio_errors."""
     by: dict[str, list[ThroughputOutcome]] = {}
     for o in outcomes:
         by.setdefault(key(o.case) if key else o.case.source_id, []).append(o)
@@ -391,6 +406,7 @@ def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[
         absd = sorted(abs(e) for e in errs)
         conc, disc, ties = rank_agreement(rows)
         pairs = conc + disc + ties
+        ratio_errs = sorted(pair_ratio_errors(rows))
         out[name] = {
             "n_records": len(rows), "n_scored": len(errs),
             "n_ranked": sum(o.predicted_tps_per_gpu is not None for o in rows),
@@ -401,6 +417,8 @@ def summarize(outcomes: list[ThroughputOutcome], *, key=None) -> dict[str, dict[
             # a pair the model cannot tell apart (e.g. torch.compile on/off) is not concordant
             "pairs": pairs, "tied": ties, "concordant": conc / pairs if pairs else float("nan"),
             "kendall_tau": (conc - disc) / pairs if pairs else float("nan"),   # tau-a
+            "n_ratio_pairs": len(ratio_errs),
+            "p75_pair_ratio_pct": 100 * _quantile(ratio_errs, 0.75),
         }
     return out
 

@@ -218,12 +218,13 @@ def render_document(doc: dict, *, out_dir: str | None = None) -> str:
 
 def alternatives_table(alternatives: list[dict], chosen_step_s: float) -> list[str]:
     """The fitting alternatives with each one's predicted margin over the chosen plan's step time;
-    'tied' where that margin is within the step-time model's measured uncertainty
-    (estimate.throughput.step_time_uncertainty), where the ranking is not a decision (issue 21, item 5)."""
-    from memkit.estimate.throughput import step_time_uncertainty
+    'tied' where that margin is within the step-time model's measured ranking uncertainty
+    (estimate.throughput.step_time_ranking_uncertainty: the p75 error of the predicted ratio of two
+    published runs), where the ranking is not a decision (issue 21, item 5)."""
+    from memkit.estimate.throughput import step_time_ranking_uncertainty
     from memkit.planner.search import step_time_margin
 
-    u = step_time_uncertainty()
+    u = step_time_ranking_uncertainty()
     rows = []
     for i, a in enumerate(alternatives, 1):
         margin = step_time_margin(chosen_step_s, a["step_time_s"])
@@ -234,7 +235,8 @@ def alternatives_table(alternatives: list[dict], chosen_step_s: float) -> list[s
             _indent(format_table(["#", "plan", "peak GiB", "tokens/s", "s/step", "MFU", "vs chosen", ""], rows,
                                  right={0, 2, 3, 4, 5, 6})),
             f"  vs chosen: predicted step time over the chosen plan's; tied: within the step-time model's "
-            f"+-{u:.1%} measured uncertainty, so the two are not ranked by speed"]
+            f"+-{u:.1%} measured ranking uncertainty (p75 error of the predicted ratio of two published runs), "
+            "so the two are not ranked by speed"]
 
 
 def _indent(text: str) -> str:

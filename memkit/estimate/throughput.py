@@ -181,6 +181,16 @@ def step_time_uncertainty() -> float:
     return float(_uncertainty_doc()["p75_abs_error"])
 
 
+def step_time_ranking_uncertainty() -> float:
+    """How far the model's predicted ratio of two plans' step times may be off: the p75 over the
+    published runs' ranked pairs (same source, model and GPU, both scored in absolute terms) of
+    |predicted ratio / measured ratio - 1| (memkit.calibrate.published_throughput.pair_ratio_errors),
+    as benchmarks/throughput_accuracy.py --write-uncertainty last wrote it. Two plans whose predicted
+    step times differ by less than this are not ranked by speed (planner/search.py
+    _prefer_low_risk, _prefer_data_parallel)."""
+    return float(_uncertainty_doc()["p75_pair_ratio_error"])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTimeEstimate:
     step_time_s: float

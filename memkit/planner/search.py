@@ -20,8 +20,9 @@ nothing in the first tier fits (they change the training numerics), and the resu
 Model splits (tp/pp > 1, unpinned): a tier is searched over the data-parallel layouts and the
 split layouts apart. With split 'if-needed' the splits are searched only when no data-parallel
 plan fits; with 'auto' (the default) a split also wins when the step-time model prices it faster
-than the best data-parallel plan by more than the model's measured uncertainty
-(estimate.throughput.step_time_uncertainty: p75 error on published runs), since a split is the
+than the best data-parallel plan by more than the model's measured ranking uncertainty
+(estimate.throughput.step_time_ranking_uncertainty: p75 error of the predicted ratio of two
+published runs of one source, model and GPU), since a split is the
 riskier run (a tp checkpoint is also tied to its layout: memkit.plan.parallel.SPLIT_LIMITS). Batch
 arithmetic alone never picks a split
 (planner.space.layouts says which nearby global batches work instead). `SearchResult.split_reason`
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from memkit.errors import MemkitError, NoFeasiblePlan
 from memkit.estimate.bounds import QUANTILE_LABEL, margin
 from memkit.estimate.result import MemoryEstimate
-from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_uncertainty
+from memkit.estimate.throughput import StepTimeEstimate, estimate_step_time, step_time_ranking_uncertainty
 from memkit.plan.parallel import split_name
 from memkit.planner import backward
 from memkit.plan.plan import TrainingPlan
@@ -460,39 +461,62 @@ tolerance (tests/e2e/test_parallel_equivalence.py MEMORY_RTOL; the CPU measureme
 tests/golden/cpu_measurements.json are all within 5 %)."""
 
 
-def _risk(request: Request, cand: Candidate) -> tuple[int, int, int]:
-    """(offloads, model split, tight headroom): what can go wrong beyond the predicted speed."""
+def moving_parts(plan: TrainingPlan) -> int:
+    """Mechanisms the run adds on top of a plain data-parallel step, each one more thing that can
+    misbehave at run time and one more term whose price the step-time model states
+    (estimate/step_terms.py): activation checkpointing (Checkpointing), a chunked or fused loss
+    (Loss), the optimizer stepped inside backward (OptimizerInBackward), sharded optimizer states,
+    gradients or parameters (ZeRO 1-3 / FSDP: _dp_comm's gathers and reductions)."""
+    return (int(plan.checkpointing != "none") + int(plan.loss != "standard")
+            + int(plan.optimizer_in_backward) + int(plan.zero_stage > 0))
+
+
+def _risk(request: Request, cand: Candidate) -> tuple[int, int, int, int]:
+    """(offloads, model split, tight headroom, moving parts): what can go wrong beyond the
+    predicted speed, most serious first."""
     p = cand.plan
     offload = (p.offload_optimizer != "none") + (p.offload_params != "none")
     offload += p.offload_activations != "none"  # pinned host RAM and PCIe traffic too
     headroom = request.hardware.gpu.memory_bytes - device_peak_bytes(cand.memory)
     return (offload, int(p.tp > 1 or p.pp > 1),
-            int(headroom < HEADROOM_RISK_FRACTION * request.hardware.gpu.memory_bytes))
+            int(headroom < HEADROOM_RISK_FRACTION * request.hardware.gpu.memory_bytes), moving_parts(p))
 
 
 def _prefer_low_risk(request: Request, found: list[Candidate]) -> tuple[list[Candidate], str]:
-    """Among plans predicted within the step-time model's uncertainty of the fastest, put the
-    lowest-risk one first (no offload, then no split, then headroom); say so when that changes the
-    pick. The uncertainty is measured: benchmarks/throughput_accuracy.py's p75 error."""
+    """Among plans predicted within the step-time model's ranking uncertainty of the fastest, put
+    the lowest-risk one first (no offload, then no split, then headroom, then fewer moving parts:
+    _risk); say so when that changes the pick, and say it is a tie when it does not. The uncertainty
+    is measured: benchmarks/throughput_accuracy.py's p75 error of the predicted ratio of two
+    published runs (estimate.throughput.step_time_ranking_uncertainty)."""
     if request.objective != "throughput" or len(found) < 2:
         return found, ""
-    u = step_time_uncertainty()
+    u = step_time_ranking_uncertainty()
     fastest = found[0]
     close = [c for c in found if c.speed.step_time_s <= fastest.speed.step_time_s * (1 + u)]
     pick = min(close, key=lambda c: (_risk(request, c), c.speed.step_time_s))
     if pick is fastest or _risk(request, pick) == _risk(request, fastest):
         runner = next((c for c in close if c is not fastest and c.label != fastest.label), None)
         return found, (tie_note(fastest, runner, u, _risk_words(request, fastest, runner)) if runner else "")
-    note = (f"chose {pick.label} ({pick.speed.step_time_s:.2f} s/step) over the predicted-fastest "
-            f"{fastest.label} ({fastest.speed.step_time_s:.2f} s/step): within the step-time model's "
-            f"+-{u:.0%} uncertainty, and lower risk ({', '.join(_risk_words(request, pick, fastest))})")
+    margin = step_time_margin(fastest.speed.step_time_s, pick.speed.step_time_s)
+    note = (f"tie: chose {pick.label} ({pick.speed.step_time_s:.2f} s/step) over the predicted-fastest "
+            f"{fastest.label} ({fastest.speed.step_time_s:.2f} s/step): {margin:.1%} slower, within the "
+            f"step-time model's +-{u:.1%} measured ranking uncertainty, and lower risk "
+            f"({', '.join(_risk_words(request, pick, fastest))})")
     return [pick] + [c for c in found if c is not pick], note
 
 
 def _risk_words(request: Request, a: Candidate, b: Candidate) -> list[str]:
     """What a carries less of than b, in _risk's order."""
-    return [w for w, x, y in zip(("no offload", "no model split", "more memory headroom"),
-                                 _risk(request, a), _risk(request, b)) if x < y]
+    words = ("no offload", "no model split", "more memory headroom",
+             f"fewer moving parts ({moving_parts(a.plan)} vs {moving_parts(b.plan)}: {_parts_words(a.plan, b.plan)})")
+    return [w for w, x, y in zip(words, _risk(request, a), _risk(request, b)) if x < y]
+
+
+def _parts_words(a: TrainingPlan, b: TrainingPlan) -> str:
+    """The moving parts (moving_parts) b has and a does not."""
+    parts = (("checkpointing", lambda p: p.checkpointing != "none"), ("chunked/fused loss", lambda p: p.loss != "standard"),
+             ("optimizer in backward", lambda p: p.optimizer_in_backward), ("ZeRO sharding", lambda p: p.zero_stage > 0))
+    return "no " + ", no ".join(name for name, has in parts if has(b) and not has(a))
 
 
 def step_time_margin(chosen_s: float, other_s: float) -> float:
@@ -508,7 +532,7 @@ def tie_note(kept: Candidate, runner: Candidate, u: float, lower_risk: list[str]
            else "equal risk, so the predicted-faster plan is kept; either is a sound choice")
     return (f"tie: {kept.label} ({kept.speed.step_time_s:.2f} s/step) and {runner.label} "
             f"({runner.speed.step_time_s:.2f} s/step) differ by {margin:.1%}, within the step-time model's "
-            f"+-{u:.1%} measured uncertainty; {why}")
+            f"+-{u:.1%} measured ranking uncertainty; {why}")
 
 
 def _run(ev: "_Evaluator", structs: list[TrainingPlan], tier: Tier, *, keep: int):
@@ -548,14 +572,14 @@ def _prefer_data_parallel(plain: list[Candidate], split: list[Candidate], *,
     if objective == "memory":
         split_wins = rival.memory.nvidia_smi_peak_bytes < best.memory.nvidia_smi_peak_bytes
         return (split + plain if split_wins else plain + split), ""
-    u = step_time_uncertainty()
+    u = step_time_ranking_uncertainty()
     if rival.speed.step_time_s * (1.0 + u) < best.speed.step_time_s:
         return split + plain, ""
     note = ""
     if rival.speed.step_time_s < best.speed.step_time_s:
         note = (f"kept {best.label} ({best.speed.step_time_s:.2f} s/step) over the split {rival.label} "
-                f"({rival.speed.step_time_s:.2f} s/step): the gain is within the step-time model's +-{u:.0%} "
-                f"uncertainty, and lower risk (no model split)")
+                f"({rival.speed.step_time_s:.2f} s/step): the gain is within the step-time model's +-{u:.1%} "
+                f"measured ranking uncertainty, and lower risk (no model split)")
     return plain + split, note
 
 
@@ -594,7 +618,7 @@ def _split_reason(request: Request, ev: "_Evaluator", tier: Tier, chosen: Candid
     ratio = best.speed.step_time_s / chosen.speed.step_time_s
     return (f"{name}: {ratio:.2f}x faster than the best data-parallel plan ({best.label}, "
             f"{best.speed.step_time_s:.2f} s/step vs {chosen.speed.step_time_s:.2f}) by the step-time model, "
-            f"more than its {step_time_uncertainty():.0%} measured uncertainty; it saves {_TERM_WORDS[term]}: "
+            f"more than its {step_time_ranking_uncertainty():.1%} measured ranking uncertainty; it saves {_TERM_WORDS[term]}: "
             f"{theirs.get(term, 0.0):.2f} s vs {ours.get(term, 0.0):.2f} s per step")
 
 

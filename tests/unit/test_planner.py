@@ -81,7 +81,14 @@ def test_branch_and_bound_finds_the_brute_force_optimum(name):
     result = search(req)
     best = brute_force_best(req)
     assert best is not None
-    assert result.chosen.speed.step_time_s == pytest.approx(best, rel=1e-12)
+    chosen = result.chosen.speed.step_time_s
+    if any(n.startswith("tie: chose ") for n in result.notes):
+        # a tie decided for lower risk (planner/search.py _prefer_low_risk): the chosen plan is no
+        # faster than the optimum and within the step-time model's ranking uncertainty of it
+        from memkit.estimate.throughput import step_time_ranking_uncertainty
+        assert best * (1 - 1e-12) <= chosen <= best * (1 + step_time_ranking_uncertainty())
+    else:
+        assert chosen == pytest.approx(best, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -58,7 +58,7 @@ def test_if_needed_keeps_data_parallel_and_auto_keeps_it_within_the_model_uncert
     # 4 x A100-80GB, llama-3.1-8b, 8 x 4k tokens: the step-time model prices tp=2 within its
     # measured uncertainty of the best data-parallel plan (issue #10), so auto keeps the lower-risk
     # data-parallel plan, and says why when the split was priced faster.
-    from memkit.estimate.throughput import step_time_uncertainty
+    from memkit.estimate.throughput import step_time_ranking_uncertainty
     default = search(request("llama-3.1-8b", "a100-80gb", 4, 8, 4096, split="if-needed"))
     assert (default.chosen.plan.tp, default.chosen.plan.pp) == (1, 1) and default.split_reason == ""
     auto = search(request("llama-3.1-8b", "a100-80gb", 4, 8, 4096, split="auto"))
@@ -71,7 +71,7 @@ def test_if_needed_keeps_data_parallel_and_auto_keeps_it_within_the_model_uncert
         assert note == []
     split = [a for a in auto.alternatives if a.plan.tp == 2]
     if split:  # when the split is among the alternatives shown, its gain is within the uncertainty
-        assert auto.chosen.speed.step_time_s <= split[0].speed.step_time_s * (1 + step_time_uncertainty())
+        assert auto.chosen.speed.step_time_s <= split[0].speed.step_time_s * (1 + step_time_ranking_uncertainty())
 
 
 def test_auto_keeps_data_parallel_when_no_split_is_faster():

@@ -176,7 +176,7 @@ def _candidate(plan: TrainingPlan, step_s: float):
 def test_planner_prefers_the_lower_risk_plan_only_within_the_measured_uncertainty():
     from memkit.planner.search import _prefer_low_risk
     from memkit.planner.space import Request
-    u = tp_model.step_time_uncertainty()
+    u = tp_model.step_time_ranking_uncertainty()
     assert 0 < u < 1                                        # written by benchmarks/throughput_accuracy.py
     req = Request(model=LLAMA8B, hardware=A100x8, seq_len=2048, global_batch_size=64)
     split = TrainingPlan(zero_stage=1, tp=2, dp=4, micro_batch_size=4, grad_accum=2, seq_len=2048,
@@ -291,7 +291,7 @@ def test_a_runner_up_within_the_uncertainty_is_reported_as_a_tie():
     # the order stays, and the note names both plans and the margin 0.5 u; at 1.5 u there is no tie.
     from memkit.planner.search import _prefer_low_risk
     from memkit.planner.space import Request
-    u = tp_model.step_time_uncertainty()
+    u = tp_model.step_time_ranking_uncertainty()
     req = Request(model=LLAMA8B, hardware=A100x8, seq_len=2048, global_batch_size=64)
     z3 = TrainingPlan(zero_stage=3, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
     z2 = TrainingPlan(zero_stage=2, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
@@ -308,7 +308,7 @@ def test_a_tie_kept_for_lower_risk_says_what_it_avoids():
     # the predicted-fastest is also the lower-risk one (no offload vs optimizer offload): kept, and said why
     from memkit.planner.search import _prefer_low_risk
     from memkit.planner.space import Request
-    u = tp_model.step_time_uncertainty()
+    u = tp_model.step_time_ranking_uncertainty()
     req = Request(model=LLAMA8B, hardware=A100x8, seq_len=2048, global_batch_size=64)
     plain = TrainingPlan(zero_stage=3, dp=8, micro_batch_size=4, grad_accum=2, seq_len=2048)
     kept = _candidate(plain, 2.0)
@@ -320,10 +320,10 @@ def test_explain_shows_each_alternatives_margin_and_marks_ties():
     # hand-worked: chosen 10.00 s/step; 10.50 s is +5.0 % (tied under the ~7.6 % p75 uncertainty),
     # 12.00 s is +20.0 % (not tied); the tie mark follows the uncertainty the benchmark wrote.
     from memkit.cli.explain import alternatives_table
-    u = tp_model.step_time_uncertainty()
+    u = tp_model.step_time_ranking_uncertainty()
     alt = {"label": "A", "nvidia_smi_peak_bytes": 2**30, "tokens_per_s": 1000.0, "mfu": 0.4}
     lines = alternatives_table([dict(alt, step_time_s=10.5), dict(alt, label="B", step_time_s=12.0)], 10.0)
     rows = [line.split() for line in "\n".join(lines).splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert rows[0][6:] == ["+5.0%"] + (["tied"] if 0.05 <= u else [])
     assert rows[1][6:] == ["+20.0%"] + (["tied"] if 0.20 <= u else [])
-    assert f"+-{u:.1%} measured uncertainty" in lines[-1]
+    assert f"+-{u:.1%} measured ranking uncertainty" in lines[-1]
