@@ -77,6 +77,8 @@ class ThroughputCase:
     """The run checkpoints through the HF Trainer's gradient_checkpointing_enable() defaults."""
     fused_optimizer: bool = False
     """The run builds torch.optim.AdamW(fused=True) (the record's optimizer_raw says so)."""
+    chunked_loss_saves_logits: bool = False
+    """The record's chunked loss keeps the chunks' logits (_chunked_loss_saves_logits)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -119,6 +121,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           offload_streams=bool(record.get("offload_activations_streams")),
                           hf_checkpointing=_hf_trainer(record),
                           fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
+                          chunked_loss_saves_logits=_chunked_loss_saves_logits(record),
                           approx=tuple(approx), **base)
 
 
@@ -130,6 +133,15 @@ def _backward_prefetch(record: dict) -> str:
     if record["source_id"] == "llm_foundry_benchmarks" and record["engine"] == "fsdp":
         return "post"
     return "pre"
+
+
+def _chunked_loss_saves_logits(record: dict) -> bool:
+    """torchtune's chunked loss is CEWithChunkedOutputLoss (the README's 'chunked-ce' row; the
+    recipes' loss component): the model returns num_output_chunks chunks of logits, each the head's
+    output kept by autograd (torchtune/modules/transformer.py TransformerDecoder.forward @ 1814feb17),
+    and the loss upcasts and reduces each chunk (torchtune/modules/loss/ce_chunked_output_loss.py):
+    nothing is recomputed."""
+    return record["source_id"] == "torchtune_readme" and record.get("loss") == "chunked"
 
 
 def _hf_trainer(record: dict) -> bool:
@@ -339,7 +351,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    backward_prefetch=case.backward_prefetch,
                                    compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
                                    offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing,
-                                   fused_optimizer=case.fused_optimizer)
+                                   fused_optimizer=case.fused_optimizer,
+                                   chunked_loss_saves_logits=case.chunked_loss_saves_logits)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

@@ -19,7 +19,8 @@ from memkit.estimate.backward_techniques import (IN_BACKWARD_OPS_PER_TENSOR, act
                                                  offloaded_activation_bytes)
 from memkit.estimate.quantized import dequant_traffic_bytes
 from memkit.estimate.techniques import recompute_share
-from memkit.estimate.throughput import (CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMIZER_BYTES_PER_PARAM,
+from memkit.estimate.throughput import (COMPILED_CHUNK_LOSS_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT, _head_rows,
+                                        CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMIZER_BYTES_PER_PARAM,
                                         HOST_MEMORY_GBPS_PER_NODE, NVME_GBPS_PER_NODE, OP_DISPATCH_S,
                                         CLIP_GRAD_PASSES, OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER,
                                         _amp_fp32_weights, _elementwise_pass, _elt, _grad_bytes, adamw_step_bytes, _Pass, _param_tensors, _trainable_per_gpu,
@@ -47,6 +48,7 @@ class StepContext:
     hf_checkpointing: bool = False
     lora_adapter_dtype: str | None = None
     fused_optimizer: bool = False
+    chunked_loss_saves_logits: bool = False
 
 
 @dataclass(slots=True)
@@ -107,14 +109,24 @@ class Checkpointing(StepTechnique):
 
 
 class Loss(StepTechnique):
-    """The chunked loss recomputes each chunk's logits in backward: one more LM-head matmul
-    (estimate/techniques.py loss_recompute_flops_per_token)."""
+    """memkit's chunked loss recomputes each chunk's logits in backward: one more LM-head matmul
+    (estimate/techniques.py loss_recompute_flops_per_token). A chunked loss that keeps the chunks'
+    logits (StepContext.chunked_loss_saves_logits: torchtune's CEWithChunkedOutputLoss) recomputes
+    nothing, and under torch.compile its compiled per-chunk cross-entropy moves
+    COMPILED_CHUNK_LOSS_BYTES_PER_LOGIT instead of the head pass's LOSS_BYTES_PER_LOGIT."""
 
     def compute(self, c, t):
         plan, model = c.plan, c.model
-        if plan.loss == "chunked":
-            v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+        if plan.loss != "chunked" or plan.task != "causal-lm":
+            return
+        v = model.vocab_size // (plan.tp if plan.sequence_parallel else 1)
+        if not c.chunked_loss_saves_logits:
             t.recompute_s += kernels.gemm_time_s(c.gpu, plan.precision, c.tokens, v, model.hidden_size) / plan.pp
+        elif c.compiled:
+            logits = _head_rows(model, plan, c.tokens) * v
+            saved = kernels.memory_time_s(c.gpu, (LOSS_BYTES_PER_LOGIT - COMPILED_CHUNK_LOSS_BYTES_PER_LOGIT)
+                                          * logits) / plan.pp
+            t.compute = t.compute + _Pass(-saved / 2, -saved / 2)   # the head pass put half in each
 
 
 class MixedPrecision(StepTechnique):

@@ -60,6 +60,14 @@ LOSS_BYTES_PER_LOGIT = 32
 log-softmax (4 + 4), and its backward (4 + 4 read, 4 written, cast back 4 + 2); torch
 nn.functional.cross_entropy = log_softmax + nll_loss."""
 
+COMPILED_CHUNK_LOSS_BYTES_PER_LOGIT = 6
+"""HBM bytes per logit of a chunked cross-entropy whose upcast runs inside the compiled loss:
+torchtune's CEWithChunkedOutputLoss.compute_cross_entropy is `F.cross_entropy(logits.float(), ...)`
+on one chunk of 16-bit logits (torchtune/modules/loss/ce_chunked_output_loss.py @ 1814feb17), and
+its recipes compile exactly that method (torchtune/training/_compile.py compile_loss), so Inductor
+fuses cast, log-softmax and NLL: forward reads the 16-bit chunk once (2), backward reads it again
+and writes its 16-bit gradient (2 + 2). The fp32 copy LOSS_BYTES_PER_LOGIT counts is never in HBM."""
+
 DDP_BUCKET_BYTES = 25 * 2**20
 """torch DDP bucket_cap_mb default 25 MiB (torch/nn/parallel/distributed.py): the last bucket's
 all-reduce starts only after backward ends, so it is never hidden (Li et al. 2020, Sec. 3.2.3)."""
@@ -832,7 +840,8 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                        stack: Stack | None = None, reduce_itemsize: int | None = None,
                        backward_prefetch: str = "pre", compiled: bool = False,
                        lora_adapter_dtype: str | None = None, offload_streams: bool = False,
-                       hf_checkpointing: bool = False, fused_optimizer: bool = False) -> StepTimeEstimate:
+                       hf_checkpointing: bool = False, fused_optimizer: bool = False,
+                       chunked_loss_saves_logits: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -852,7 +861,11 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     with its default kwargs, reentrant before transformers 5.0 (spec/stack.py): no early stop.
     memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py).
     `fused_optimizer`: the run builds torch.optim.AdamW(fused=True) (ADAMW_FUSED_PASSES); memkit's
-    runner builds the default, foreach one (train/loop.py)."""
+    runner builds the default, foreach one (train/loop.py).
+    `chunked_loss_saves_logits`: the run's --loss chunked is one whose chunks' logits autograd keeps
+    for backward, the model's head run per chunk (torchtune's TransformerDecoder.forward with
+    num_output_chunks + CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17): no
+    head recompute (step_terms.Loss); memkit's chunked loss recomputes each chunk's logits."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     from memkit.estimate.step_terms import StepContext, StepTerms
@@ -862,7 +875,8 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
     c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
-                    lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer)
+                    lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
+                    chunked_loss_saves_logits=chunked_loss_saves_logits)
     t = StepTerms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s

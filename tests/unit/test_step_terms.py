@@ -1,6 +1,7 @@
 """The step-time techniques' interface (memkit/estimate/step_terms.py): a technique a plan does not
 use leaves every term as it found it, and one it uses adds its own term, worked by hand."""
 from __future__ import annotations
+import pytest
 
 from memkit.estimate import kernels
 from memkit.estimate.backward_techniques import activation_offload_transfer_s
@@ -56,3 +57,28 @@ def test_optimizer_and_activation_offload_by_hand():
     ActivationOffload().exposed(c, t)
     assert t.offload_micro_s == activation_offload_transfer_s(LLAMA1B, plan, A100.pcie_gbps)
     assert estimate_step_time(LLAMA1B, plan, Hardware(gpu=A100)).components_s["optimizer_step"] == 0.0
+
+
+def test_a_chunked_loss_that_keeps_its_logits_recomputes_nothing_and_compiled_moves_six_bytes_a_logit():
+    # torchtune's CEWithChunkedOutputLoss (the head run per chunk, autograd keeps each chunk's logits;
+    # torchtune/modules/transformer.py, modules/loss/ce_chunked_output_loss.py @ 1814feb17): memkit's
+    # chunked loss re-runs the head GEMM (8192 x 128256 x 3072 for llama-3.2-3b, 2 x 4096 tokens),
+    # torchtune's does not; compiled (training/_compile.py compile_loss), the per-chunk cross-entropy
+    # moves 6 B a logit instead of 32: (32 - 6) x 8192 x 128256 B less HBM traffic.
+    model = load_model_spec("llama-3.2-3b")
+    hw = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=4096, loss="chunked",
+                        gradient_clipping=0.0)
+    ours = estimate_step_time(model, plan, hw).components_s
+    theirs = estimate_step_time(model, plan, hw, chunked_loss_saves_logits=True).components_s
+    head_gemm = kernels.gemm_time_s(A100, "bf16-pure", 8192, 128256, 3072)
+    assert ours["recompute"] - theirs["recompute"] == pytest.approx(head_gemm, rel=1e-9)
+    assert theirs["recompute"] == 0.0 and ours["compute"] == pytest.approx(theirs["compute"], rel=1e-12)
+    eager_c = estimate_step_time(model, plan, hw, compiled=True).components_s
+    comp = estimate_step_time(model, plan, hw, compiled=True, chunked_loss_saves_logits=True).components_s
+    assert eager_c["compute"] - comp["compute"] == pytest.approx(
+        (32 - 6) * 8192 * 128256 / (2039e9 * 0.85), rel=1e-9)
+    # the standard loss is untouched by the switch
+    std = plan.with_(loss="standard")
+    assert (estimate_step_time(model, std, hw, compiled=True).step_time_s
+            == estimate_step_time(model, std, hw, compiled=True, chunked_loss_saves_logits=True).step_time_s)
