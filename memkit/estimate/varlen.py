@@ -112,14 +112,20 @@ class VarlenEstimate:
 
 
 def _sample(steps: list[int], limit: int) -> list[int]:
-    """At most `limit` steps, evenly spread over the epoch, the longest one always among them."""
+    """At most `limit` steps, evenly spread over the epoch and in its order, the longest one always
+    among them at its own place: it replaces the picked step nearest to it. The caching allocator
+    keeps what earlier steps left (CUDACachingAllocator.cpp: freed blocks stay cached until
+    release_cached_blocks), so each new longest step cudaMallocs new segments while the older ones
+    stay; moving the epoch's longest step to the end would add one such step after all the others."""
     if len(steps) <= limit:
         return list(steps)
     stride = len(steps) / limit
-    picked = [steps[int(i * stride)] for i in range(limit)]
-    if max(steps) not in picked:
-        picked[-1] = max(steps)
-    return picked
+    picked = [int(i * stride) for i in range(limit)]
+    longest = max(range(len(steps)), key=steps.__getitem__)
+    if longest not in picked:
+        nearest = min(range(limit), key=lambda i: abs(picked[i] - longest))
+        picked[nearest] = longest
+    return [steps[i] for i in picked]
 
 
 def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segments: bool,

@@ -12,7 +12,7 @@ import pytest
 from memkit.errors import MemkitError
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.memory import estimate_memory
-from memkit.estimate.varlen import estimate_varlen, padding_waste, parse_lengths, step_lengths
+from memkit.estimate.varlen import _sample, estimate_varlen, padding_waste, parse_lengths, step_lengths
 from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
@@ -46,6 +46,27 @@ def test_step_lengths_per_padding():
     assert shuffled == step_lengths(lengths, padding="longest", micro_batch=2, seq_len=512, seed=3)  # seeded
     with pytest.raises(MemkitError):
         step_lengths(lengths, micro_batch=2, seq_len=512, padding="bucket")
+
+
+def test_sampled_steps_keep_the_longest_step_at_its_own_place():
+    """Each step is a new record only if it is longer than every step before it; where the longest
+    step sits decides how many records come before it (hand-worked below)."""
+    steps = [0, 1, 2, 3, 100, 5, 6, 7, 8, 9]
+    # stride 10/3: indices 0, 3, 6; the longest (index 4) replaces the nearest pick (index 3)
+    assert _sample(steps, 3) == [0, 100, 6]
+    assert _sample(steps, 20) == steps  # short epochs are replayed whole, in order
+
+    def one_tensor_per_step(sizes_mib):
+        events = []
+        for i, size in enumerate(sizes_mib):
+            events += [(i, size * MIB), (i, None)]
+        return replay(events).reserved_peak_bytes // MIB
+
+    # 40: new segment; 100: new (40 stays cached); 60 and 80: best fit is the 100 MiB block, split
+    # (remainder > 1 MiB, should_split): 40 + 100 reserved
+    assert one_tensor_per_step([40, 100, 60, 80]) == 140
+    # the same steps with the longest moved last: every step a record, every one a new segment
+    assert one_tensor_per_step([40, 60, 80, 100]) == 40 + 60 + 80 + 100
 
 
 def test_cuda_rules_on_a_hand_worked_trace():
