@@ -269,7 +269,15 @@ def framework_of(source_id: str) -> str:
 
 def _stack(record: dict, approx: list[str]) -> Stack | None:
     if record.get("stack"):  # versions the record states itself (benchmarks/data/holdout_memory.jsonl)
-        return Stack(**record["stack"])
+        stack = Stack(**record["stack"])
+        if record["source_id"] == "qwen_finetune_profiling" and stack.peft is None:
+            # QwenLM/Qwen finetune.py imports peft unpinned; the releases current at the profiling dates
+            # (7B/14B rows 2023-10-07/11: peft 0.5.0, 2023-08-22; 1.8B rows with its 2023-11-30 release:
+            # 0.6.2, 2023-11-13) both leave LoRA adapters fp32 over the bf16 base (spec/stack.py
+            # PEFT_ADAPTERS_IN_BASE_DTYPE)
+            approx.append("peft unstated; 0.6 (< 0.7: fp32 adapters) assumed from the profiling dates")
+            stack = replace(stack, peft="0.6.2")
+        return stack
     if record["id"].startswith("peftdoc-"):
         approx.append("stack unstated; transformers 4.38, torch 2.2 (early 2024) assumed")
         return _PEFT_DOC_STACK
@@ -476,10 +484,9 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
 def _optimizer(record: dict, approx: list[str]) -> str:
     text = (record.get("optimizer") or "").lower()
     if "8bit" in text:
-        if "paged" in text:
-            approx.append("bnb paged 8-bit states (CUDA managed memory, outside torch's caching allocator) "
-                          "priced as ordinary CUDA tensors")
-        return "adamw-8bit"
+        # PagedAdamW8bit: the states of tensors >= 1e5 elements in CUDA managed memory, outside torch's
+        # caching allocator (estimate/states.py BNB_PAGED_MIN_NUMEL)
+        return "paged-adamw-8bit" if "paged" in text else "adamw-8bit"
     if "adafactor" in text:
         return "adafactor"
     if "adam" in text:
@@ -487,8 +494,12 @@ def _optimizer(record: dict, approx: list[str]) -> str:
             # bitsandbytes optim/optimizer.py get_state_buffer: a tensor under 1e5 elements gets
             # ordinary torch.zeros_like states, larger ones managed (paged) memory outside torch's allocator.
             if record.get("finetune_type") == "full":
-                approx.append("bnb PagedAdamW (32-bit) priced as torch AdamW: the states of tensors >= 1e5 elements "
-                              "are paged (CUDA managed memory, outside torch's caching allocator)")
+                # torchtune 7B_full_low_memory: every large state is managed memory either way, so the
+                # allocator holds the same tensors as under PagedAdamW8bit (estimate/states.py BNB_PAGED_MIN_NUMEL)
+                approx.append("bnb PagedAdamW (32-bit) priced as paged-adamw-8bit: states of tensors >= 1e5 elements "
+                              "in CUDA managed memory (outside allocated/reserved) either way; the norms' states "
+                              "at 8-bit size, nvidia-smi's resident paged states at a quarter")
+                return "paged-adamw-8bit"
             else:
                 approx.append("bnb PagedAdamW (32-bit) priced as torch AdamW: states of tensors < 1e5 elements "
                               "(every LoRA tensor here) are ordinary CUDA tensors; fused update, no foreach temporary")
