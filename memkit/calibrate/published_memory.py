@@ -620,7 +620,22 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
     if engine == "torch" and zero_stage == 3 and precision in ("fp16", "bf16"):
         approx.append("FSDP mixed precision casts params per unit (not torch.autocast)")
 
-    lora = record.get("lora") or {}
+    lora = dict(record.get("lora") or {})
+    if record["source_id"] == "torchtune_readme_2024_11" and lora:
+        # The table's figures are unchanged since it was added (README at 30b8519e8, 2024-09-24, "Readme
+        # Updates #1664"), when recipes/configs/llama3_1/8B_lora_single_device.yaml had
+        # lora_attn_modules ['q_proj', 'v_proj'] and apply_lora_to_mlp False; the MLP/output_proj
+        # targets the record copies came later. The run is priced with the targets of its date.
+        lora["targets"] = ["q_proj", "v_proj"]
+        approx.append("LoRA targets of the table's date (q_proj, v_proj at 30b8519e8), not of the later config")
+    if record["source_id"] == "torchtune_readme_2024_04" and record.get("finetune_type") == "lora" \
+            and record["num_gpus"] == 1:
+        # The 17.18 GB figure entered the README on 2024-03-21 (a95c6b931, then "estimated ... on A100 GPUs
+        # with GPU memory artificially limited ... as reported by torch.cuda.max_memory_allocated()"), before
+        # InstructDataset gained max_seq_len (73647e26e, 2024-03-30): alpaca-cleaned untruncated then, so
+        # the longest batch (unpublished) may exceed the 512 priced here.
+        approx.append("figure carried from the 2024-03-21 table (untruncated alpaca-cleaned, max_memory_allocated "
+                      "stated then); priced at max_seq_len 512, a lower bound of that run's longest batch")
     lora_kw = {}
     if _is_qlora(record):
         lora_kw.update(_quantized_base(record, approx))
