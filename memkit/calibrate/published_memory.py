@@ -269,7 +269,15 @@ def framework_of(source_id: str) -> str:
 
 def _stack(record: dict, approx: list[str]) -> Stack | None:
     if record.get("stack"):  # versions the record states itself (benchmarks/data/holdout_memory.jsonl)
-        return Stack(**record["stack"])
+        stack = Stack(**record["stack"])
+        if record["source_id"] == "qwen_finetune_profiling" and stack.peft is None:
+            # QwenLM/Qwen finetune.py imports peft unpinned; the releases current at the profiling dates
+            # (7B/14B rows 2023-10-07/11: peft 0.5.0, 2023-08-22; 1.8B rows with its 2023-11-30 release:
+            # 0.6.2, 2023-11-13) both leave LoRA adapters fp32 over the bf16 base (spec/stack.py
+            # PEFT_ADAPTERS_IN_BASE_DTYPE)
+            approx.append("peft unstated; 0.6 (< 0.7: fp32 adapters) assumed from the profiling dates")
+            stack = replace(stack, peft="0.6.2")
+        return stack
     if record["id"].startswith("peftdoc-"):
         approx.append("stack unstated; transformers 4.38, torch 2.2 (early 2024) assumed")
         return _PEFT_DOC_STACK
@@ -476,10 +484,9 @@ def _precision(record: dict, approx: list[str]) -> tuple[str, str]:
 def _optimizer(record: dict, approx: list[str]) -> str:
     text = (record.get("optimizer") or "").lower()
     if "8bit" in text:
-        if "paged" in text:
-            approx.append("bnb paged 8-bit states (CUDA managed memory, outside torch's caching allocator) "
-                          "priced as ordinary CUDA tensors")
-        return "adamw-8bit"
+        # PagedAdamW8bit: the states of tensors >= 1e5 elements in CUDA managed memory, outside torch's
+        # caching allocator (estimate/states.py BNB_PAGED_MIN_NUMEL)
+        return "paged-adamw-8bit" if "paged" in text else "adamw-8bit"
     if "adafactor" in text:
         return "adafactor"
     if "adam" in text:
@@ -487,8 +494,12 @@ def _optimizer(record: dict, approx: list[str]) -> str:
             # bitsandbytes optim/optimizer.py get_state_buffer: a tensor under 1e5 elements gets
             # ordinary torch.zeros_like states, larger ones managed (paged) memory outside torch's allocator.
             if record.get("finetune_type") == "full":
-                approx.append("bnb PagedAdamW (32-bit) priced as torch AdamW: the states of tensors >= 1e5 elements "
-                              "are paged (CUDA managed memory, outside torch's caching allocator)")
+                # torchtune 7B_full_low_memory: every large state is managed memory either way, so the
+                # allocator holds the same tensors as under PagedAdamW8bit (estimate/states.py BNB_PAGED_MIN_NUMEL)
+                approx.append("bnb PagedAdamW (32-bit) priced as paged-adamw-8bit: states of tensors >= 1e5 elements "
+                              "in CUDA managed memory (outside allocated/reserved) either way; the norms' states "
+                              "at 8-bit size, nvidia-smi's resident paged states at a quarter")
+                return "paged-adamw-8bit"
             else:
                 approx.append("bnb PagedAdamW (32-bit) priced as torch AdamW: states of tensors < 1e5 elements "
                               "(every LoRA tensor here) are ordinary CUDA tensors; fused update, no foreach temporary")
@@ -609,7 +620,22 @@ def _plan(record: dict, model: ModelSpec, approx: list[str]
     if engine == "torch" and zero_stage == 3 and precision in ("fp16", "bf16"):
         approx.append("FSDP mixed precision casts params per unit (not torch.autocast)")
 
-    lora = record.get("lora") or {}
+    lora = dict(record.get("lora") or {})
+    if record["source_id"] == "torchtune_readme_2024_11" and lora:
+        # The table's figures are unchanged since it was added (README at 30b8519e8, 2024-09-24, "Readme
+        # Updates #1664"), when recipes/configs/llama3_1/8B_lora_single_device.yaml had
+        # lora_attn_modules ['q_proj', 'v_proj'] and apply_lora_to_mlp False; the MLP/output_proj
+        # targets the record copies came later. The run is priced with the targets of its date.
+        lora["targets"] = ["q_proj", "v_proj"]
+        approx.append("LoRA targets of the table's date (q_proj, v_proj at 30b8519e8), not of the later config")
+    if record["source_id"] == "torchtune_readme_2024_04" and record.get("finetune_type") == "lora" \
+            and record["num_gpus"] == 1:
+        # The 17.18 GB figure entered the README on 2024-03-21 (a95c6b931, then "estimated ... on A100 GPUs
+        # with GPU memory artificially limited ... as reported by torch.cuda.max_memory_allocated()"), before
+        # InstructDataset gained max_seq_len (73647e26e, 2024-03-30): alpaca-cleaned untruncated then, so
+        # the longest batch (unpublished) may exceed the 512 priced here.
+        approx.append("figure carried from the 2024-03-21 table (untruncated alpaca-cleaned, max_memory_allocated "
+                      "stated then); priced at max_seq_len 512, a lower bound of that run's longest batch")
     lora_kw = {}
     if _is_qlora(record):
         lora_kw.update(_quantized_base(record, approx))

@@ -30,7 +30,7 @@ from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocato
 from memkit.estimate.replay import moment_events
 from memkit.estimate.result import MemoryEstimate
 from memkit.estimate.stage_terms import StageContext, Terms, in_flight, stage_terms
-from memkit.estimate.states import RankParams, model_states
+from memkit.estimate.states import BNB_PAGED_MIN_NUMEL, RankParams, model_states
 from memkit.estimate.techniques import head_grad_lands_early, loss_component
 from memkit.plan.parallel import check_degrees, stage_layers
 from memkit.plan.plan import TrainingPlan
@@ -182,6 +182,8 @@ def _host_nvme(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, st, dev
     """(host RAM, NVMe) bytes per node of one stage's estimate, from its model states `st`."""
     host = _host_bytes(model, plan, hardware, st) + (
         offloaded_activation_bytes(model, plan, device=device) * hardware.num_gpus_per_node)
+    # managed (paged) optimizer states can all migrate to the host under pressure (states.py BNB_PAGED_MIN_NUMEL)
+    host += st.managed_optimizer_states * hardware.num_gpus_per_node
     return int(host), int(st.nvme * hardware.num_gpus_per_node)
 
 
@@ -234,7 +236,24 @@ def rank_params(model: ModelSpec, plan: TrainingPlan, stage: int = 0) -> RankPar
     return RankParams(num_params=params, num_trainable=trainable, block_params=n_layers * avg_layer,
                       largest_module=max(avg_layer, embed, head), largest_tensor=largest_tensor,
                       num_persistent=persistent, layer_trainable=layer_trainable,
-                      head_trainable=head_trainable)
+                      head_trainable=head_trainable,
+                      paged_trainable=_paged_trainable(model, plan, n_layers, trainable))
+
+
+def _paged_trainable(model: ModelSpec, plan: TrainingPlan, n_layers: int, trainable: int) -> int:
+    """Trainable parameters in tensors of >= BNB_PAGED_MIN_NUMEL elements (states.py), per tensor:
+    a LoRA adapter's A (r x in) and B (out x r) of each hand-modelled targeted linear; for full
+    fine-tuning every trainable parameter but the blocks' norms and biases (_small_params). A traced
+    model's adapters (linear_in_out gives only sums) count as small: priced inside the allocator."""
+    if not plan.is_lora:
+        return max(0, trainable - n_layers * _small_params(model))
+    r, targets = plan.lora_rank, set(plan.lora_targets)
+    per_layer = 0
+    for lin in model.layer_linears:
+        if lin.name in targets:
+            per_layer += lin.count * sum(n for n in (r * lin.in_features, r * lin.out_features)
+                                         if n >= BNB_PAGED_MIN_NUMEL)
+    return per_layer * n_layers
 
 
 def _small_params(model: ModelSpec) -> int:
@@ -262,10 +281,14 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     if allocated > totals[peak_phase]:  # 512-byte rounding and unsplit remainders (allocator.py)
         components["allocator_rounding"] = allocated - totals[peak_phase]
     host, nvme = _host_nvme(model, plan, hardware, t.st, device)
+    # A paged optimizer's managed states (states.py BNB_PAGED_MIN_NUMEL) stay on the device as far as
+    # it has room beside the allocator's pool and the context; the driver migrates the rest to the host.
+    managed = t.st.managed_optimizer_states
+    resident = min(managed, max(0, hardware.gpu.memory_bytes - reserved - outside))
     lora = model.lora_params(plan.lora_rank, plan.lora_targets) + model.lora_saved_params if plan.is_lora else 0
     return MemoryEstimate(
         allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
-        nvidia_smi_peak_bytes=int(reserved + outside),
+        nvidia_smi_peak_bytes=int(reserved + outside + resident),
         device_total_bytes=hardware.gpu.memory_bytes,
         num_params=model.num_params + lora, num_trainable_params=lora if plan.is_lora else model.num_params,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
@@ -284,7 +307,8 @@ def _walked(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int
                      rp=rp, num=numerics(plan), first=stage == 0, last=stage == plan.pp - 1,
                      n_layers=stage_layers(model.total_layers, plan.pp)[stage],
                      blk=block_activations(model, plan, device=device))
-    t, technique_notes = stage_terms(c, model_states(plan, rp, device=device))
+    t, technique_notes = stage_terms(c, model_states(plan, rp, device=device,
+                                                     fp32_adapters=habits.fp32_lora_adapters))
     walk = _PhaseWalk(c, t)
     phases, moments, first_grads = walk.phases()
     workspace = cublas_workspace_bytes(hardware.gpu) if device == "cuda" else 0

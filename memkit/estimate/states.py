@@ -25,7 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, TrainingPlan
+from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, PAGED_OPTIMIZERS, TrainingPlan
+
+BNB_PAGED_MIN_NUMEL = 100_000
+"""bitsandbytes optim/optimizer.py Optimizer8bit.get_state_buffer (0.42 through 0.50): a paged optimizer
+gives a parameter of fewer than 1e5 elements ordinary `torch.zeros_like` states (torch's caching
+allocator); a larger one gets functional.get_paged: `lib.cget_managed_ptr` (csrc/pythonInterface.cpp:
+cudaMallocManaged(&ptr, bytes, cudaMemAttachHost)) wrapped by `torch.frombuffer` -- CUDA managed
+memory torch's allocator never sees, so it is in neither torch.cuda.max_memory_allocated() nor
+max_memory_reserved(). The driver keeps it on the device while there is room (nvidia-smi counts it
+there) and migrates it to the host under pressure (cprefetch / page faults)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +54,9 @@ class RankParams:
     block_params: int = 0
     """Parameters of the blocks (what a per-block FSDP wrap puts into its units), embeddings and
     head excluded."""
+    paged_trainable: int = 0
+    """Trainable parameters in tensors of at least BNB_PAGED_MIN_NUMEL elements: those whose states
+    a bitsandbytes paged optimizer puts in CUDA managed memory."""
 
 
 def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
@@ -54,9 +66,8 @@ def optimizer_state_bytes_per_param(optimizer: str, precision: str) -> float:
     (Dettmers et al. 2022, Sec. 2; bitsandbytes 0.50 optim/optimizer.py Optimizer2State.init_state:
     blocksize = 256). Tensors under min_8bit_size (4096 elements) keep fp32 states there; they
     are norms and biases, too small to count here.
-    paged-adamw-8bit: the same states in CUDA unified memory (bitsandbytes optim/optimizer.py,
-    get_state_buffer(paged=True) -> functional.get_paged, cudaMallocManaged): on the GPU while
-    it has room, paged to host RAM under pressure; priced as resident (the no-pressure case).
+    paged-adamw-8bit: the same states, those of tensors >= BNB_PAGED_MIN_NUMEL elements in CUDA
+    managed memory outside torch's allocator (model_states: States.managed_optimizer_states).
     adafactor: factored second moment, ~(rows+cols) per matrix -- negligible per parameter
     (Shazeer & Stern 2018, Sec. 3); we count 4 bytes per 256 parameters for the factors.
     sgd: one momentum buffer (torch.optim.SGD with momentum > 0)."""
@@ -98,19 +109,63 @@ class States:
     """Extra bytes while ZeRO-3 gathers parameters around a block (forward and backward)."""
     host: dict[str, int] = field(default_factory=dict)
     nvme: int = 0
+    managed_optimizer_states: int = 0
+    """Optimizer state bytes a bitsandbytes paged optimizer holds in CUDA managed memory
+    (BNB_PAGED_MIN_NUMEL): outside torch's caching allocator -- not in allocated or reserved --
+    but on the device, as far as it has room, for nvidia-smi (estimate/memory.py)."""
 
     @property
     def resident(self) -> int:
         return self.weights + self.master_weights + self.optimizer_states + sum(self.buffers.values())
 
 
-def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda") -> States:
-    """Per-rank states for `plan`. `device='cpu'` models the CPU test runs (no foreach kernels)."""
+def model_states(plan: TrainingPlan, rp: RankParams, *, device: str = "cuda", fp32_adapters: bool = False) -> States:
+    """Per-rank states for `plan`. `device='cpu'` models the CPU test runs (no foreach kernels).
+    `fp32_adapters`: a LoRA plan's adapters are fp32 leaves over its 16-bit base (the stack's peft,
+    spec/stack.py StackBehaviour.fp32_lora_adapters)."""
     opt_bpp = optimizer_state_bytes_per_param(plan.optimizer, plan.precision)
     if plan.engine == "torch":
-        return _torch_states(plan, rp, opt_bpp, device)
-    by_stage = {0: _deepspeed_zero0_states, 1: _deepspeed_zero12_states, 2: _deepspeed_zero12_states}
-    return by_stage.get(plan.zero_stage, _deepspeed_zero3_states)(plan, rp, opt_bpp, device)
+        st = _torch_states(plan, rp, opt_bpp, device)
+        if fp32_adapters:
+            _fp32_adapter_states(plan, rp, st, device)
+    else:
+        by_stage = {0: _deepspeed_zero0_states, 1: _deepspeed_zero12_states, 2: _deepspeed_zero12_states}
+        st = by_stage.get(plan.zero_stage, _deepspeed_zero3_states)(plan, rp, opt_bpp, device)
+    if plan.optimizer in PAGED_OPTIMIZERS and device == "cuda":  # bitsandbytes pages only on CUDA
+        st.managed_optimizer_states = _paged_share(plan, rp, st.optimizer_states)
+        st.optimizer_states -= st.managed_optimizer_states
+    return st
+
+
+def _paged_share(plan: TrainingPlan, rp: RankParams, state_bytes: int) -> int:
+    """The bytes of `state_bytes` a paged optimizer keeps in managed memory (BNB_PAGED_MIN_NUMEL):
+    the share of the trainable parameters in large tensors; under DeepSpeed ZeRO >= 1 the optimizer
+    steps one flat partition per group (stage_1_and_2.py single_partition_of_fp32_groups), all large.
+    FSDP shards are priced at the unsharded tensors' share."""
+    if plan.engine == "deepspeed" and plan.zero_stage >= 1:
+        return state_bytes
+    if rp.num_trainable <= 0:
+        return 0
+    return int(state_bytes * min(rp.paged_trainable, rp.num_trainable) / rp.num_trainable)
+
+
+def _fp32_adapter_states(plan: TrainingPlan, rp: RankParams, st: States, device: str) -> None:
+    """LoRA adapters kept in fp32 beside a bf16-pure base (peft <= 0.6 creates them in the default
+    dtype and only moves them to the base's device: peft v0.6.2 tuners/lora/layer.py update_layer,
+    tuners/lora/model.py _replace_module; peft >= 0.12 upcasts them, tuners_utils.py
+    _cast_adapter_dtype): their weights, gradients (autograd accumulates in the leaf's dtype) and
+    torch optimizer states (zeros_like) are 4-byte, AdamW's foreach temporary too. Plain torch
+    without sharding only; other plans are priced in the base's dtype."""
+    if not plan.is_lora or plan.precision != "bf16-pure" or plan.zero_stage != 0:
+        return
+    psi_t = rp.num_trainable
+    st.weights += psi_t * 2  # 4 bytes instead of the base's 2
+    st.gradients += psi_t * 2
+    st.optimizer_states = int(psi_t * optimizer_state_bytes_per_param(plan.optimizer, "fp32"))
+    if plan.dp > 1:
+        st.buffers["ddp_buckets"] = psi_t * 4
+    if plan.optimizer == "adamw":  # _adam_temp's foreach sqrt temporary, at the adapters' 4 bytes
+        st.step_transient = psi_t * 4
 
 
 def _deepspeed_sizes(plan: TrainingPlan, rp: RankParams) -> tuple[int, int, int, int, int]:

@@ -23,6 +23,9 @@ Precision = Literal["fp32", "fp16", "bf16", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "sgd"]
 EIGHT_BIT_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit")
 """The bitsandbytes optimizers (bnb.optim.AdamW8bit, PagedAdamW8bit): 8-bit states, a per-tensor step."""
+PAGED_OPTIMIZERS = ("paged-adamw-8bit",)
+"""The bitsandbytes paged optimizers (is_paged=True): states of large tensors in CUDA managed memory
+(estimate/states.py BNB_PAGED_MIN_NUMEL)."""
 Offload = Literal["none", "cpu", "nvme"]
 Attention = Literal["eager", "sdpa", "flash"]
 Engine = Literal["deepspeed", "torch"]

@@ -64,6 +64,12 @@ set_checkpoint_early_stop); earlier versions re-run the whole checkpointed funct
 EAGER_KERNEL_IMAGES_BYTES = (1343 - 420) * MIB
 HF_NON_REENTRANT_TRANSFORMERS = (5, 0)
 """transformers from which gradient_checkpointing_enable() defaults to use_reentrant=False (#43203)."""
+PEFT_ADAPTERS_IN_BASE_DTYPE = ((0, 7), (0, 12))
+"""peft versions that give LoRA adapters the base layer's dtype: from 0.7.0 update_layer casts them
+(`self.to(weight.device, dtype=weight.dtype)`, tuners/lora/layer.py); from 0.12.0 get_peft_model's
+autocast_adapter_dtype=True upcasts 16-bit adapters to fp32 (tuners_utils.py _cast_adapter_dtype);
+up to 0.6.x they are created in the default dtype (fp32) and only moved to the base's device
+(v0.6.2 tuners/lora/layer.py update_layer, tuners/lora/model.py _replace_module)."""
 ZERO3_QUIET_DEEPSPEED = (0, 9, 4)
 """DeepSpeed from which ZeRO-3 builds its debug strings only when DEBUG logging is on (#3622)."""
 
@@ -144,6 +150,9 @@ class StackBehaviour:
     """transformers' gradient_checkpointing_enable() defaults to reentrant checkpoint (< 5.0)."""
     zero3_debug_strings: bool = False
     """DeepSpeed ZeRO-3 formats per-parameter debug strings in every fetch/release (deepspeed < 0.9.4)."""
+    fp32_lora_adapters: bool = False
+    """peft keeps LoRA adapters in fp32 over a 16-bit base (peft < 0.7 or >= 0.12, as stated; an
+    unstated peft prices them in the base's dtype)."""
     notes: tuple[str, ...] = ()
 
 
@@ -178,8 +187,12 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     debug_strings = ds is not None and ds < ZERO3_QUIET_DEEPSPEED
     if debug_strings:
         notes.append(f"deepspeed {stack.deepspeed} < 0.9.4: ZeRO-3 formats debug strings at every parameter fetch/release")
+    pf = version_tuple(stack.peft)
+    if stack.peft and pf is None:
+        notes.append(f"peft {stack.peft}: version not understood; LoRA adapters priced in the base's dtype")
+    fp32_adapters = pf is not None and not (PEFT_ADAPTERS_IN_BASE_DTYPE[0] <= pf[:2] < PEFT_ADAPTERS_IN_BASE_DTYPE[1])
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
                           grads_kept_between_steps=kept, checkpoint_early_stop=early_stop,
                           eager_nvls=eager_nvls, zero3_debug_strings=debug_strings,
                           hf_checkpoint_reentrant=tf is not None and tf < HF_NON_REENTRANT_TRANSFORMERS,
-                          notes=tuple(notes))
+                          fp32_lora_adapters=fp32_adapters, notes=tuple(notes))
