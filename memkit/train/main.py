@@ -19,7 +19,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from memkit.errors import MemkitError
 from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan, add_knob_flags, alloc_conf_of, knob_values
@@ -322,7 +322,34 @@ def set_alloc_conf(environ=os.environ, wanted: str | None = None) -> str:
             f"({ALLOC_CONF_ENV[wanted] or 'unset'}), so the run's reserved memory can differ from the estimate")
 
 
-def main(argv: list[str] | None = None) -> int:
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` without the interpreter's teardown (finalizing every module
+    of torch, transformers, DeepSpeed and gloo: measured 0.9 CPU s in a runner that stopped on bad
+    input after its imports, ~1.7 CPU s per rank of a finished 2-rank ZeRO-2 run). Called only where
+    nothing the run keeps is left in this process: a checkpoint is fsynced and published before
+    save returns (memkit.train.checkpoint), log.jsonl is reopened and closed per record (loop.py
+    JsonlLog), the final folder and --report-json are written and closed and the metrics logger
+    closed (loop.py _finish), and every rank has passed the last barrier (cleanup_distributed).
+    What is left is flushed here: the logging handlers (logging.shutdown, which atexit would run)
+    and stdout/stderr (os._exit runs no atexit handler and flushes no stdio buffer: Python docs,
+    os._exit)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The runner's process: runs (run_finetune) and ends the process with its exit code (exit_now).
+    --help and an argparse usage error leave through SystemExit as usual; an unexpected exception
+    through the interpreter (a traceback)."""
+    exit_now(run_finetune(argv))
+
+
+def run_finetune(argv: list[str] | None = None) -> int:
+    """Parse, check, train; the exit code (module docstring)."""
     from memkit.validate import check_args, harden
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
@@ -375,13 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     except MemkitError as exc:
         if rank == 0:
             sys.stderr.write(f"finetune: error: {exc}\n")
-        sys.stderr.flush()
-        os._exit(exc.exit_code)  # peers may wait in a collective; do not hang in teardown
+        exit_now(exc.exit_code)  # peers may wait in a collective; do not hang in teardown
     except (OutOfMemory, torch.OutOfMemoryError) as exc:
         where = getattr(exc, "where", "init")
         _oom_report(args, where, str(exc).splitlines()[0] if str(exc) else "out of memory")
-        sys.stderr.flush()
-        os._exit(EXIT_OOM)  # the launcher then stops the other ranks
+        exit_now(EXIT_OOM)  # the launcher then stops the other ranks
     cleanup_distributed()
     return int(report.get("exit_code", 0))
 
@@ -395,4 +420,4 @@ class _Null:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
