@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from memkit.errors import MemkitError
+from memkit.errors import MemkitError, exit_now
 from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan, add_knob_flags, alloc_conf_of, knob_values
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
@@ -322,27 +322,13 @@ def set_alloc_conf(environ=os.environ, wanted: str | None = None) -> str:
             f"({ALLOC_CONF_ENV[wanted] or 'unset'}), so the run's reserved memory can differ from the estimate")
 
 
-def exit_now(code: int) -> NoReturn:
-    """End this process with `code` without the interpreter's teardown (finalizing every module
-    of torch, transformers, DeepSpeed and gloo: measured 0.9 CPU s in a runner that stopped on bad
-    input after its imports, ~1.7 CPU s per rank of a finished 2-rank ZeRO-2 run). Called only where
-    nothing the run keeps is left in this process: a checkpoint is fsynced and published before
-    save returns (memkit.train.checkpoint), log.jsonl is reopened and closed per record (loop.py
-    JsonlLog), the final folder and --report-json are written and closed and the metrics logger
-    closed (loop.py _finish), and every rank has passed the last barrier (cleanup_distributed).
-    What is left is flushed here: the logging handlers (logging.shutdown, which atexit would run)
-    and stdout/stderr (os._exit runs no atexit handler and flushes no stdio buffer: Python docs,
-    os._exit)."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> NoReturn:
-    """The runner's process: runs (run_finetune) and ends the process with its exit code (exit_now).
+    """The runner's process: runs (run_finetune) and ends the process with its exit code
+    (memkit.errors.exit_now; nothing the run keeps is left in the process by then: a checkpoint is
+    fsynced and published before save returns (memkit.train.checkpoint), log.jsonl is reopened and
+    closed per record (loop.py JsonlLog), the final folder and --report-json are written and closed
+    and the metrics logger closed (loop.py _finish), and every rank has passed the last barrier
+    (loop.py cleanup_distributed)).
     --help and an argparse usage error leave through SystemExit as usual; an unexpected exception
     through the interpreter (a traceback)."""
     exit_now(run_finetune(argv))
