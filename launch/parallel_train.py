@@ -15,6 +15,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from memkit.calibrate.parallel_step import main  # noqa: E402
+from memkit.errors import exit_now  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the log is written and closed and the ranks past their last barrier by then

@@ -19,9 +19,9 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from memkit.errors import MemkitError
+from memkit.errors import MemkitError, exit_now
 from memkit.plan.plan import ALLOC_CONF_ENV, TrainingPlan, add_knob_flags, alloc_conf_of, knob_values
 from memkit.spec.resolve import ModelSource
 from memkit.train.config import DEFAULT_PREEMPT_GRACE_S, DEFAULT_SAVE_EVERY_MINUTES, REPORT_TO, RunConfig
@@ -322,7 +322,20 @@ def set_alloc_conf(environ=os.environ, wanted: str | None = None) -> str:
             f"({ALLOC_CONF_ENV[wanted] or 'unset'}), so the run's reserved memory can differ from the estimate")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The runner's process: runs (run_finetune) and ends the process with its exit code
+    (memkit.errors.exit_now; nothing the run keeps is left in the process by then: a checkpoint is
+    fsynced and published before save returns (memkit.train.checkpoint), log.jsonl is reopened and
+    closed per record (loop.py JsonlLog), the final folder and --report-json are written and closed
+    and the metrics logger closed (loop.py _finish), and every rank has passed the last barrier
+    (loop.py cleanup_distributed)).
+    --help and an argparse usage error leave through SystemExit as usual; an unexpected exception
+    through the interpreter (a traceback)."""
+    exit_now(run_finetune(argv))
+
+
+def run_finetune(argv: list[str] | None = None) -> int:
+    """Parse, check, train; the exit code (module docstring)."""
     from memkit.validate import check_args, harden
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)
@@ -375,13 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     except MemkitError as exc:
         if rank == 0:
             sys.stderr.write(f"finetune: error: {exc}\n")
-        sys.stderr.flush()
-        os._exit(exc.exit_code)  # peers may wait in a collective; do not hang in teardown
+        exit_now(exc.exit_code)  # peers may wait in a collective; do not hang in teardown
     except (OutOfMemory, torch.OutOfMemoryError) as exc:
         where = getattr(exc, "where", "init")
         _oom_report(args, where, str(exc).splitlines()[0] if str(exc) else "out of memory")
-        sys.stderr.flush()
-        os._exit(EXIT_OOM)  # the launcher then stops the other ranks
+        exit_now(EXIT_OOM)  # the launcher then stops the other ranks
     cleanup_distributed()
     return int(report.get("exit_code", 0))
 
@@ -395,4 +406,4 @@ class _Null:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

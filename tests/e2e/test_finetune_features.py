@@ -76,7 +76,9 @@ def test_chat_lora_eval_epochs_tensorboard_overwrite_resume(workdir):
     evals = events(log, "eval")
     assert [e["step"] for e in evals] == sorted({*range(2, steps + 1, 2), steps})
 
-    # TensorBoard event file: the same figures as log.jsonl.
+    # TensorBoard, the default logger (no --report-to above): its event file holds the same figures
+    # as log.jsonl, and the start lines say where it is.
+    assert "memkit: logs: " in first.stderr and "TensorBoard: " in first.stderr
     board = EventAccumulator(str(out / "tensorboard"))
     board.Reload()
     assert [(s.step, round(s.value, 5)) for s in board.Scalars("train/loss")] == \

@@ -47,10 +47,10 @@ def _prepare(tmp_path, *argv):
 
 
 def test_catalog_name_without_weights_refuses_in_one_line(tmp_path, capfd, monkeypatch):
-    from memkit.train.main import main
+    from memkit.train.main import run_finetune
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    code = main(["--model", "llama-3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path / "out"),
+    code = run_finetune(["--model", "llama-3.2-1b", "--data", "synthetic:8", "--output-dir", str(tmp_path / "out"),
                  "--seq-len", "16", "--max-steps", "1"])
     lines = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1
