@@ -49,6 +49,7 @@ class StepContext:
     lora_adapter_dtype: str | None = None
     fused_optimizer: bool = False
     chunked_loss_saves_logits: bool = False
+    eager_fp32_rope: bool = False
 
 
 @dataclass(slots=True)
@@ -104,7 +105,8 @@ class Checkpointing(StepTechnique):
         t.recompute_s += t.fwd_only_s / plan.pp * t.recompute_share
         if plan.checkpointing == "selective":
             num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
-            t.recompute_s += (_elementwise_pass(c.gpu, plan, model, num_attn, c.tokens, compiled=c.compiled).fwd_s
+            t.recompute_s += (_elementwise_pass(c.gpu, plan, model, num_attn, c.tokens, compiled=c.compiled,
+                                                 eager_fp32_rope=c.eager_fp32_rope).fwd_s
                               * model.total_layers / plan.pp)
 
 
