@@ -333,7 +333,13 @@ def _attention(record: dict) -> str:
 
 
 def _optimizer(record: dict) -> str:
+    """The record's optimizer; bitsandbytes' Paged* classes (the record's optimizer_raw, e.g.
+    torchtune's bitsandbytes.optim.PagedAdamW8bit) are the paged variant (is_paged=True,
+    bitsandbytes/optim/adamw.py PagedAdamW8bit)."""
     text = (record.get("optimizer") or "adamw").lower()
+    raw = (record.get("optimizer_raw") or "").lower()
+    if "paged" in raw and "8bit" in raw:
+        return "paged-adamw-8bit"
     for name in ("adamw-8bit", "adafactor", "sgd"):
         if name in text:
             return name

@@ -84,13 +84,13 @@ NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
 al. 2021, Sec. 6.2) stripes several for more."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 68,
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 10, "paged-adamw-8bit": 10, "adafactor": 68,
                                  "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
 AdamW: the fused fp32 step with the 16-bit copy, adamw_step_bytes(4, fused=True, master_copy=True);
-the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
-and v read and written (4), param written (2 for its 16-bit copy); the paged variant runs the
-same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
+the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam:
+bnb_8bit_step_bytes at 16-bit params (10; OptimizerStep prices it by item size); the paged variant
+runs the same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
 (transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
 the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
 and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
@@ -116,6 +116,19 @@ torch._foreach_norm over every gradient (one read), _clip_grads_with_norm_ then
 torch._foreach_mul_(grads, clip_coef_clamped) unconditionally (the coefficient is clamped to 1,
 not skipped: one read and one write). DeepSpeed ZeRO-1/2 does the same over its fp32 gradient
 partition (runtime/zero/stage_1_and_2.py scaled_global_norm -> unscale_and_clip_grads)."""
+
+
+def bnb_8bit_step_bytes(param_itemsize: int) -> int:
+    """HBM bytes per parameter of bitsandbytes' blockwise 8-bit Adam step
+    (csrc/kernels.cu kOptimizerStatic8bit2StateBlockwise, launched once per tensor by
+    csrc/ops.cu optimizerStatic8bitBlockwise, 0.44.0 through HEAD): it loads g, state1, state2 and p
+    and stores p, state1 and state2, g and p in the parameter's dtype (update_step passes p.grad and
+    p), the states one byte each: 3 x itemsize + 4. Not counted: the per-256-element-block absmax
+    (4 B read and written per state per block, 1/16 B an element) and the two 256-entry fp32
+    quantile maps each block copies into shared memory (L2-resident, 2 KB a block); tensors under
+    min_8bit_size = 4096 elements (norm weights) take optimizer_update_32bit with fp32 states
+    (bitsandbytes/optim/optimizer.py Optimizer2State.init_state), a vanishing share of the bytes."""
+    return 3 * param_itemsize + 4
 
 
 def adamw_step_bytes(state_itemsize: int, *, fused: bool, master_copy: bool) -> int:

@@ -112,3 +112,38 @@ def test_torchtune_eager_fp32_rope_moves_56_bytes_forward_and_116_backward_per_r
     # under torch.compile Inductor fuses the rotation: the switch changes nothing
     assert (estimate_step_time(model, plan, hw, compiled=True, eager_fp32_rope=True).step_time_s
             == estimate_step_time(model, plan, hw, compiled=True).step_time_s)
+
+
+def test_bitsandbytes_8bit_step_bytes_and_the_paged_variants_host_calls_by_hand():
+    # kOptimizerStatic8bit2StateBlockwise (bitsandbytes csrc/kernels.cu, 0.44.0+) loads g, state1, state2,
+    # p and stores p, state1, state2: g and p at the parameter's item size, the states one byte each.
+    from memkit.estimate.step_terms import paged_host_ops
+    from memkit.estimate.throughput import bnb_8bit_step_bytes
+    assert bnb_8bit_step_bytes(2) == 2 + 1 + 1 + 2 + 2 + 1 + 1 == 10
+    assert bnb_8bit_step_bytes(4) == 16
+    model = load_model_spec("llama-3.2-3b")
+    hw = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=4096,
+                        optimizer="adamw-8bit", gradient_clipping=0.0)
+    # 3.21e9 bf16 params at 10 B over 0.85 x 2039 GB/s, plus the per-tensor host ops synced after each
+    plain = estimate_step_time(model, plan, hw).components_s["optimizer_step"]
+    n = model.num_params
+    tensors = 28 * (7 + 2) + 3                      # throughput._param_tensors: 7 linears, 2 norms a block
+    assert plain == pytest.approx(n * 10 / (2039e9 * 0.85) + tensors * 3 * 10e-6, rel=1e-9)
+    # Paged: every linear weight (3072 x 1024 and up) and the tied embedding have >= 1e5 elements,
+    # so 28 x 7 + 1 = 197 tensors page their states (Optimizer8bit.get_state_buffer) and prefetch two
+    # of them each step (prefetch_state); step() syncs once more at its end when paged.
+    paged = plan.with_(optimizer="paged-adamw-8bit")
+    assert paged_host_ops(model, paged, step_calls=1) == 2 * 197 + 1
+    assert paged_host_ops(model, plan, step_calls=1) == 0
+    assert (estimate_step_time(model, paged, hw).components_s["optimizer_step"] - plain
+            == pytest.approx((2 * 197 + 1) * 10e-6, rel=1e-9))
+    # In backward: one paged optimizer per tensor (torchtune create_optim_in_bwd), so one end sync each.
+    ib, ib_paged = plan.with_(optimizer_in_backward=True), paged.with_(optimizer_in_backward=True)
+    assert (estimate_step_time(model, ib_paged, hw).components_s["optimizer_step"]
+            - estimate_step_time(model, ib, hw).components_s["optimizer_step"]
+            == pytest.approx((2 * 197 + tensors) * 10e-6, rel=1e-9))
+    # LoRA r8 adapters of a 4096-wide model (8 x 4096 = 32768 elements) stay unpaged
+    lora = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=2048,
+                        optimizer="paged-adamw-8bit", lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert paged_host_ops(load_model_spec("llama-3.1-8b"), lora, step_calls=1) == 1
