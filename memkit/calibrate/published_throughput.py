@@ -148,10 +148,10 @@ def _chunked_loss_saves_logits(record: dict) -> bool:
 
 
 def _eager_fp32_rope(record: dict) -> bool:
-    """torchtune's models rotate q and k with RotaryPositionalEmbeddings, which casts x.float() and
-    runs the rotation op by op (torchtune/modules/position_embeddings.py @ 1814feb17, and @ 30b8519e8
-    for the 2024-09 table); the llama3 builders pass it to every attention layer
-    (torchtune/models/llama3_1/_component_builders.py llama3_1 / llama3_2 builders)."""
+    """torchtune's Llama 3.1 / 3.2 builders give every attention layer Llama3ScaledRoPE
+    (torchtune/models/llama3_1/_component_builders.py, llama3_2/_component_builders.py @ 1814feb17
+    and @ 30b8519e8 for the 2024-09 table), which casts x.float() and runs the rotation op by op like
+    RotaryPositionalEmbeddings (torchtune/models/llama3_1/_position_embeddings.py forward)."""
     return record["source_id"] == "torchtune_readme"
 
 

@@ -526,8 +526,9 @@ def gelu_new_bytes(e: int, *, autocast: bool) -> int:
 
 def eager_fp32_rope_bytes(e: int) -> tuple[int, int]:
     """(forward, backward) HBM bytes per rotated q / k element of torchtune's eager
-    RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py @ 1814feb17), op by
-    op, each op its own kernel; an fp32 access of stride 2 (xshaped[..., 0]) touches every 32-byte
+    RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py @ 1814feb17; Llama
+    3.1/3.2's Llama3ScaledRoPE.forward, torchtune/models/llama3_1/_position_embeddings.py, runs the
+    same ops), op by op, each op its own kernel; an fp32 access of stride 2 (xshaped[..., 0]) touches every 32-byte
     DRAM sector of the tensor, so it reads all of it (CUDA C++ Best Practices Guide, "Coalesced
     Access to Global Memory": strided accesses). Per element of x (e bytes):
     forward -- x.float() (r e, w 4); four products xshaped[..., i] * rope_cache[..., j], each a
@@ -539,7 +540,8 @@ def eager_fp32_rope_bytes(e: int) -> tuple[int, int]:
     (r 4, w 2) and one of neg's contiguous output (r 2, w 2): 22; four select_backward, each zeros of
     the full fp32 shape (w 4) and a copy into its strided half (r 2, w 4): 40; three accumulations of
     the four full-size fp32 gradients of xshaped (r 8, w 4: 36); float()'s backward cast (r 4, w e):
-    2e + 112. The rope cache itself is [s, h_d] (no head dimension) and is not counted."""
+    2e + 112. The rope cache has no head dimension ([s, h_d], or a [b, s, h_d] gather by input_pos
+    for packed rows: 1/(heads) of the traffic) and is not counted."""
     fwd = (e + 4) + 4 * (4 + 2) + 2 * (4 + 2) + (4 + 4) + (4 + e)
     bwd = (e + 4) + (4 + 2) + (3 * (4 + 2) + (2 + 2)) + 4 * (4 + 2 + 4) + 3 * (8 + 4) + (4 + e)
     return fwd, bwd
