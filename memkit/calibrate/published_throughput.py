@@ -79,6 +79,8 @@ class ThroughputCase:
     """The run builds torch.optim.AdamW(fused=True) (the record's optimizer_raw says so)."""
     chunked_loss_saves_logits: bool = False
     """The record's chunked loss keeps the chunks' logits (_chunked_loss_saves_logits)."""
+    eager_fp32_rope: bool = False
+    """The run's rotary embedding is torchtune's fp32 eager one (_eager_fp32_rope)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -122,6 +124,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           hf_checkpointing=_hf_trainer(record),
                           fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
                           chunked_loss_saves_logits=_chunked_loss_saves_logits(record),
+                          eager_fp32_rope=_eager_fp32_rope(record),
                           approx=tuple(approx), **base)
 
 
@@ -142,6 +145,14 @@ def _chunked_loss_saves_logits(record: dict) -> bool:
     and the loss upcasts and reduces each chunk (torchtune/modules/loss/ce_chunked_output_loss.py):
     nothing is recomputed."""
     return record["source_id"] == "torchtune_readme" and record.get("loss") == "chunked"
+
+
+def _eager_fp32_rope(record: dict) -> bool:
+    """torchtune's Llama 3.1 / 3.2 builders give every attention layer Llama3ScaledRoPE
+    (torchtune/models/llama3_1/_component_builders.py, llama3_2/_component_builders.py @ 1814feb17
+    and @ 30b8519e8 for the 2024-09 table), which casts x.float() and runs the rotation op by op like
+    RotaryPositionalEmbeddings (torchtune/models/llama3_1/_position_embeddings.py forward)."""
+    return record["source_id"] == "torchtune_readme"
 
 
 def _hf_trainer(record: dict) -> bool:
@@ -322,7 +333,13 @@ def _attention(record: dict) -> str:
 
 
 def _optimizer(record: dict) -> str:
+    """The record's optimizer; bitsandbytes' Paged* classes (the record's optimizer_raw, e.g.
+    torchtune's bitsandbytes.optim.PagedAdamW8bit) are the paged variant (is_paged=True,
+    bitsandbytes/optim/adamw.py PagedAdamW8bit)."""
     text = (record.get("optimizer") or "adamw").lower()
+    raw = (record.get("optimizer_raw") or "").lower()
+    if "paged" in raw and "8bit" in raw:
+        return "paged-adamw-8bit"
     for name in ("adamw-8bit", "adafactor", "sgd"):
         if name in text:
             return name
@@ -352,7 +369,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    compiled=case.compiled, lora_adapter_dtype=case.lora_adapter_dtype,
                                    offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing,
                                    fused_optimizer=case.fused_optimizer,
-                                   chunked_loss_saves_logits=case.chunked_loss_saves_logits)
+                                   chunked_loss_saves_logits=case.chunked_loss_saves_logits,
+                                   eager_fp32_rope=case.eager_fp32_rope)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

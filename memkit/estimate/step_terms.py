@@ -23,9 +23,9 @@ from memkit.estimate.throughput import (COMPILED_CHUNK_LOSS_BYTES_PER_LOGIT, LOS
                                         CPU_ADAM_BYTES_PER_PARAM, GB, GPU_OPTIMIZER_BYTES_PER_PARAM,
                                         HOST_MEMORY_GBPS_PER_NODE, NVME_GBPS_PER_NODE, OP_DISPATCH_S,
                                         CLIP_GRAD_PASSES, OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER,
-                                        _amp_fp32_weights, _elementwise_pass, _elt, _grad_bytes, adamw_step_bytes, _Pass, _param_tensors, _trainable_per_gpu,
+                                        _amp_fp32_weights, _elementwise_pass, _elt, _grad_bytes, adamw_step_bytes, bnb_8bit_step_bytes, _Pass, _param_tensors, _trainable_per_gpu,
                                         activation_offload_exposed_s, matmul_params, peft_fp32_adapters)
-from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, TrainingPlan
+from memkit.plan.plan import EIGHT_BIT_OPTIMIZERS, PAGED_OPTIMIZERS, TrainingPlan
 from memkit.spec.hardware import GPU, Hardware
 from memkit.spec.model import ModelSpec
 from memkit.spec.stack import StackBehaviour
@@ -49,6 +49,7 @@ class StepContext:
     lora_adapter_dtype: str | None = None
     fused_optimizer: bool = False
     chunked_loss_saves_logits: bool = False
+    eager_fp32_rope: bool = False
 
 
 @dataclass(slots=True)
@@ -104,7 +105,8 @@ class Checkpointing(StepTechnique):
         t.recompute_s += t.fwd_only_s / plan.pp * t.recompute_share
         if plan.checkpointing == "selective":
             num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in model.layer_linears))
-            t.recompute_s += (_elementwise_pass(c.gpu, plan, model, num_attn, c.tokens, compiled=c.compiled).fwd_s
+            t.recompute_s += (_elementwise_pass(c.gpu, plan, model, num_attn, c.tokens, compiled=c.compiled,
+                                                 eager_fp32_rope=c.eager_fp32_rope).fwd_s
                               * model.total_layers / plan.pp)
 
 
@@ -240,6 +242,8 @@ class OptimizerStep(StepTechnique):
             bytes_per_param = adamw_step_bytes(
                 state_itemsize(c, t), fused=c.fused_optimizer or not torch_engine,
                 master_copy=plan.is_mixed and not _amp_fp32_weights(plan))
+        elif plan.optimizer in EIGHT_BIT_OPTIMIZERS:
+            bytes_per_param = bnb_8bit_step_bytes(state_itemsize(c, t))
         if plan.engine == "torch" and plan.optimizer in SINGLE_TENSOR_OPTIMIZER and not c.how.foreach_optimizer:
             ops_per_tensor, bytes_per_param = SINGLE_TENSOR_OPTIMIZER[plan.optimizer]
         t.optimizer_s = kernels.memory_time_s(c.gpu, partition * bytes_per_param)
@@ -249,6 +253,8 @@ class OptimizerStep(StepTechnique):
             # host's issue with the kernels, the two add up.
             synced = plan.optimizer in EIGHT_BIT_OPTIMIZERS and BNB_SYNC_PER_TENSOR
             t.optimizer_s = t.optimizer_s + host_s if synced else max(t.optimizer_s, host_s)
+            if not plan.optimizer_in_backward:   # one step() call: one paged end-of-step sync
+                t.optimizer_s += paged_host_ops(c.model, plan, step_calls=1) * OP_DISPATCH_S
 
 
 def state_itemsize(c: StepContext, t: StepTerms) -> int:
@@ -286,6 +292,49 @@ backward (one optimizer per parameter, stepped in its gradient hook) every hook 
 backward's queue, so the GPU idles while the host issues the hook's ops and the next backward op."""
 
 
+PAGED_STATE_MIN_NUMEL = 100_000
+"""bitsandbytes pages a state buffer only for a parameter of at least 1e5 elements; smaller ones get
+torch.zeros_like (bitsandbytes/optim/optimizer.py Optimizer8bit.get_state_buffer, 0.44.1 through HEAD)."""
+
+PREFETCH_CALLS_PER_PAGED_TENSOR = 2
+"""Optimizer8bit.prefetch_state calls F.prefetch_tensor on state1 and state2 of a paged tensor
+before its update_step, every step (bitsandbytes/optim/optimizer.py; functional.py prefetch_tensor
+-> csrc/pythonInterface.cpp cprefetch: cudaDeviceGetAttribute, then cudaMemPrefetchAsync): two
+ctypes calls into the driver, each priced as one dispatched op."""
+
+
+def _paged_state_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
+    """Trainable tensors of this GPU whose bitsandbytes states are paged (PAGED_STATE_MIN_NUMEL):
+    the linears' weights (an expert weight is one 3-D tensor) or, under LoRA, each adapter matrix
+    (r x in, out x r) that large, and, in full fine-tuning, the embedding and the untied head.
+    Norm weights and biases are vectors of the hidden or output size, under the limit."""
+    total = 0
+    for linears, layers in ((model.layer_linears, model.num_layers),
+                            (model.encoder_layer_linears, model.num_encoder_layers)):
+        per_block = 0
+        for lin in linears:
+            if plan.is_lora:
+                if lin.name in plan.lora_targets:
+                    per_block += sum(plan.lora_rank * n >= PAGED_STATE_MIN_NUMEL
+                                     for n in (lin.in_features, lin.out_features))
+            else:
+                per_block += lin.count * lin.in_features * lin.out_features / plan.tp >= PAGED_STATE_MIN_NUMEL
+        total += layers * per_block
+    embeddings = 0 if plan.is_lora else (1 if model.tie_word_embeddings else 2)
+    return total // plan.pp + embeddings
+
+
+def paged_host_ops(model: ModelSpec, plan: TrainingPlan, *, step_calls: int) -> int:
+    """Host calls a paged bitsandbytes optimizer (PAGED_OPTIMIZERS) makes beyond the unpaged one's,
+    with the GPU idle behind BNB_SYNC_PER_TENSOR's synchronize: PREFETCH_CALLS_PER_PAGED_TENSOR per
+    paged tensor, and the torch.cuda.synchronize() that Optimizer8bit.step adds at its end when
+    is_paged (bitsandbytes/optim/optimizer.py, 0.44.1 through HEAD), once per `step_calls`. 0 for
+    any other optimizer."""
+    if plan.optimizer not in PAGED_OPTIMIZERS:
+        return 0
+    return PREFETCH_CALLS_PER_PAGED_TENSOR * _paged_state_tensors(model, plan) + step_calls
+
+
 class OptimizerInBackward(StepTechnique):
     """--optimizer-in-backward: one step() per tensor, inside backward (estimate/backward_techniques.py
     IN_BACKWARD_OPS_PER_TENSOR)."""
@@ -298,6 +347,9 @@ class OptimizerInBackward(StepTechnique):
             t.optimizer_s = max(t.optimizer_s, tensors * per_tensor * OP_DISPATCH_S)
             if plan.optimizer in EIGHT_BIT_OPTIMIZERS and BNB_SYNC_PER_TENSOR:
                 t.optimizer_s += tensors * (per_tensor + 1) * OP_DISPATCH_S
+            # one paged optimizer per tensor (torchtune create_optim_in_bwd): each step() prefetches
+            # and syncs again after the tensor's own sync, with the GPU idle (paged_host_ops)
+            t.optimizer_s += paged_host_ops(c.model, plan, step_calls=tensors) * OP_DISPATCH_S
 
 
 class Pipeline(StepTechnique):

@@ -84,13 +84,13 @@ NVME_GBPS_PER_NODE = 6.0
 """One PCIe 4.0 NVMe drive per node (~7 GB/s read, ~5 GB/s write); ZeRO-Infinity (Rajbhandari et
 al. 2021, Sec. 6.2) stripes several for more."""
 
-GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 14, "paged-adamw-8bit": 14, "adafactor": 68,
+GPU_OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "adamw-8bit": 10, "paged-adamw-8bit": 10, "adafactor": 68,
                                  "sgd": 12}
 """HBM bytes the optimizer step reads+writes per trainable parameter; memory-bound (roofline).
 AdamW: the fused fp32 step with the 16-bit copy, adamw_step_bytes(4, fused=True, master_copy=True);
-the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam (bitsandbytes fused kernel): param and grad (8), 8-bit m
-and v read and written (4), param written (2 for its 16-bit copy); the paged variant runs the
-same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
+the step itself is priced by adamw_step_bytes, by implementation and item size (OptimizerStep). 8-bit Adam:
+bnb_8bit_step_bytes at 16-bit params (10; OptimizerStep prices it by item size); the paged variant
+runs the same kernel on CUDA unified memory (bitsandbytes/optim/adamw.py PagedAdamW8bit). Adafactor
 (transformers/optimization.py Adafactor.step, factored): grad^2 written, its row and column means,
 the factored approximation materialised, times grad, its RMS, the clip division, the lr scaling
 and the param update are separate full-size fp32 passes, ~17 reads/writes of 4 B = 68. SGD with
@@ -116,6 +116,19 @@ torch._foreach_norm over every gradient (one read), _clip_grads_with_norm_ then
 torch._foreach_mul_(grads, clip_coef_clamped) unconditionally (the coefficient is clamped to 1,
 not skipped: one read and one write). DeepSpeed ZeRO-1/2 does the same over its fp32 gradient
 partition (runtime/zero/stage_1_and_2.py scaled_global_norm -> unscale_and_clip_grads)."""
+
+
+def bnb_8bit_step_bytes(param_itemsize: int) -> int:
+    """HBM bytes per parameter of bitsandbytes' blockwise 8-bit Adam step
+    (csrc/kernels.cu kOptimizerStatic8bit2StateBlockwise, launched once per tensor by
+    csrc/ops.cu optimizerStatic8bitBlockwise, 0.44.0 through HEAD): it loads g, state1, state2 and p
+    and stores p, state1 and state2, g and p in the parameter's dtype (update_step passes p.grad and
+    p), the states one byte each: 3 x itemsize + 4. Not counted: the per-256-element-block absmax
+    (4 B read and written per state per block, 1/16 B an element) and the two 256-entry fp32
+    quantile maps each block copies into shared memory (L2-resident, 2 KB a block); tensors under
+    min_8bit_size = 4096 elements (norm weights) take optimizer_update_32bit with fp32 states
+    (bitsandbytes/optim/optimizer.py Optimizer2State.init_state), a vanishing share of the bytes."""
+    return 3 * param_itemsize + 4
 
 
 def adamw_step_bytes(state_itemsize: int, *, fused: bool, master_copy: bool) -> int:
@@ -511,15 +524,40 @@ def gelu_new_bytes(e: int, *, autocast: bool) -> int:
     return 6 * 2 * e + 2 * 3 * e
 
 
+def eager_fp32_rope_bytes(e: int) -> tuple[int, int]:
+    """(forward, backward) HBM bytes per rotated q / k element of torchtune's eager
+    RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py @ 1814feb17; Llama
+    3.1/3.2's Llama3ScaledRoPE.forward, torchtune/models/llama3_1/_position_embeddings.py, runs the
+    same ops), op by op, each op its own kernel; an fp32 access of stride 2 (xshaped[..., 0]) touches every 32-byte
+    DRAM sector of the tensor, so it reads all of it (CUDA C++ Best Practices Guide, "Coalesced
+    Access to Global Memory": strided accesses). Per element of x (e bytes):
+    forward -- x.float() (r e, w 4); four products xshaped[..., i] * rope_cache[..., j], each a
+    strided read of the fp32 tensor and a half-size fp32 write (r 4, w 2: 24); the subtraction and
+    the addition, two half-size reads and a half-size write (r 4, w 2: 12); torch.stack (r 4, w 4);
+    type_as(x) (r 4, w e): 2e + 52. Backward, autograd's nodes (torch/csrc/autograd derivatives.yaml):
+    the cast back to fp32 (r e, w 4); stack's unbind gives strided views; sub's neg (r 4 strided, w 2);
+    the four mul backwards, grad * cache (the cache is a buffer: no grad), three of a strided grad
+    (r 4, w 2) and one of neg's contiguous output (r 2, w 2): 22; four select_backward, each zeros of
+    the full fp32 shape (w 4) and a copy into its strided half (r 2, w 4): 40; three accumulations of
+    the four full-size fp32 gradients of xshaped (r 8, w 4: 36); float()'s backward cast (r 4, w e):
+    2e + 112. The rope cache has no head dimension ([s, h_d], or a [b, s, h_d] gather by input_pos
+    for packed rows: 1/(heads) of the traffic) and is not counted."""
+    fwd = (e + 4) + 4 * (4 + 2) + 2 * (4 + 2) + (4 + 4) + (4 + e)
+    bwd = (e + 4) + (4 + 2) + (3 * (4 + 2) + (2 + 2)) + 4 * (4 + 2 + 4) + 3 * (8 + 4) + (4 + e)
+    return fwd, bwd
+
+
 def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: int, tokens: int, *,
-                      compiled: bool = False) -> _Pass:
+                      compiled: bool = False, eager_fp32_rope: bool = False) -> _Pass:
     """Norms, residual adds, activation, dropout, rotary of one block: HBM bytes (roofline); the
     backward reads input and gradient and writes a gradient, about twice the forward traffic.
     The residual stream is in the parameters' dtype: fp32 under torch AMP (the embedding output is
     fp32 and autocast runs layer_norm in fp32, torch autocast op reference), 16-bit when the model
     itself is 16-bit (DeepSpeed fp16/bf16, FSDP MixedPrecision, bf16-pure); matmul outputs and the
     MLP activation are 16-bit under autocast. An eager RMSNorm is a chain of kernels
-    (eager_rmsnorm_bytes); compiled: the run uses torch.compile, which fuses it into one."""
+    (eager_rmsnorm_bytes); compiled: the run uses torch.compile, which fuses it into one.
+    eager_fp32_rope: the rotary embedding is torchtune's fp32 eager one (eager_fp32_rope_bytes),
+    unless compiled (Inductor fuses it into one kernel, r e + w e, as the default prices it)."""
     h = model.hidden_size / (plan.tp if plan.sequence_parallel else 1)
     i = model.intermediate_size / plan.tp
     res_bytes = 4 if plan.precision == "fp32" or _amp_fp32_weights(plan) else 2
@@ -533,21 +571,30 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
         act_bytes = gelu_new_bytes(e, autocast=numerics(plan).autocast is not None) * i
     else:
         act_bytes = (3 * i if model.gated_mlp else 2 * i) * e   # act(gate) * up, or act(x): one kernel
+    rope_fwd = rope_bwd = 0.0
     if model.position_embedding == "rope":
-        act_bytes += 2 * (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp * e
+        rotated = (model.num_attention_heads + model.num_key_value_heads) * model.head_dim / plan.tp
+        if eager_fp32_rope and not compiled:
+            f, b = eager_fp32_rope_bytes(e)
+            rope_fwd, rope_bwd = (kernels.memory_time_s(gpu, f * rotated * tokens),
+                                  kernels.memory_time_s(gpu, b * rotated * tokens))
+        else:
+            act_bytes += 2 * rotated * e
     fwd = kernels.memory_time_s(gpu, (residual_bytes + act_bytes) * tokens)
-    return _Pass(fwd, 2 * fwd, ELEMENTWISE_OPS_PER_BLOCK)
+    return _Pass(fwd + rope_fwd, 2 * fwd + rope_bwd, ELEMENTWISE_OPS_PER_BLOCK)
 
 
 def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
-                *, early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False) -> tuple[_Pass, _Pass]:
+                *, early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False,
+                eager_fp32_rope: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
     for lin in linears:
         total = total + _linear_pass(gpu, plan, model, lin, tokens, fp32_adapters=fp32_adapters)
     total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
-    total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled)
+    total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled,
+                                      eager_fp32_rope=eager_fp32_rope)
     recompute_s = total.fwd_s
     last = linears[-1] if linears else None
     if early_stop and last is not None and _output_unsaved(plan, model, last):
@@ -590,18 +637,18 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
 
 
 def _layer_passes(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                  early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False
-                  ) -> tuple[_Pass, float]:
+                  early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False,
+                  eager_fp32_rope: bool = False) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, the forward of every block of the model = what full
     checkpointing re-runs) for one micro-batch, before any technique adds its terms
     (estimate/step_terms.py)."""
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled, fp32_adapters=fp32_adapters)
+                                   compiled=compiled, fp32_adapters=fp32_adapters, eager_fp32_rope=eager_fp32_rope)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
         enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled, fp32_adapters=fp32_adapters)
+                                   compiled=compiled, fp32_adapters=fp32_adapters, eager_fp32_rope=eager_fp32_rope)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -625,7 +672,8 @@ def _compute_terms(c: "StepContext", t: "StepTerms", **switches) -> None:
     for name, value in switches.items():
         setattr(t, name, value)
     t.compute, t.fwd_only_s = _layer_passes(c.gpu, c.plan, c.model, c.tokens, early_stop=t.early_stop,
-                                            compiled=c.compiled, fp32_adapters=t.fp32_adapters)
+                                            compiled=c.compiled, fp32_adapters=t.fp32_adapters,
+                                            eager_fp32_rope=c.eager_fp32_rope)
     for technique in techniques:
         technique.compute(c, t)
 
@@ -841,7 +889,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                        backward_prefetch: str = "pre", compiled: bool = False,
                        lora_adapter_dtype: str | None = None, offload_streams: bool = False,
                        hf_checkpointing: bool = False, fused_optimizer: bool = False,
-                       chunked_loss_saves_logits: bool = False) -> StepTimeEstimate:
+                       chunked_loss_saves_logits: bool = False, eager_fp32_rope: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -865,7 +913,10 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     `chunked_loss_saves_logits`: the run's --loss chunked is one whose chunks' logits autograd keeps
     for backward, the model's head run per chunk (torchtune's TransformerDecoder.forward with
     num_output_chunks + CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17): no
-    head recompute (step_terms.Loss); memkit's chunked loss recomputes each chunk's logits."""
+    head recompute (step_terms.Loss); memkit's chunked loss recomputes each chunk's logits.
+    `eager_fp32_rope`: the run's rotary embedding upcasts q and k to fp32 op by op, torchtune's
+    RotaryPositionalEmbeddings (eager_fp32_rope_bytes), unless `compiled`; memkit's runs use
+    transformers' apply_rotary_pos_emb in the compute dtype."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     from memkit.estimate.step_terms import StepContext, StepTerms
@@ -876,7 +927,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
                     lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
-                    chunked_loss_saves_logits=chunked_loss_saves_logits)
+                    chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope)
     t = StepTerms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s

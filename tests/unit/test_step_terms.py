@@ -82,3 +82,68 @@ def test_a_chunked_loss_that_keeps_its_logits_recomputes_nothing_and_compiled_mo
     std = plan.with_(loss="standard")
     assert (estimate_step_time(model, std, hw, compiled=True).step_time_s
             == estimate_step_time(model, std, hw, compiled=True, chunked_loss_saves_logits=True).step_time_s)
+
+
+def test_torchtune_eager_fp32_rope_moves_56_bytes_forward_and_116_backward_per_rotated_element():
+    # torchtune's RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py @ 1814feb17),
+    # bf16 q / k (e = 2), op by op: x.float() 2+4; four half-size products of a strided fp32 read,
+    # 4 x (4+2); sub and add 2 x (4+2); stack 4+4; type_as 4+2 -> 56. Backward: cast 2+4; neg 4+2;
+    # mul backwards 3 x (4+2) + (2+2); four select_backward (zeros 4, copy 2+4); three fp32
+    # accumulations 3 x (8+4); float()'s backward 4+2 -> 116.
+    from memkit.estimate.throughput import eager_fp32_rope_bytes
+    assert eager_fp32_rope_bytes(2) == (56, 116)
+    # llama-3.2-3b: 24 query + 8 kv heads of 128 = 4096 rotated elements per token and layer, 28 layers,
+    # 2 x 4096 tokens; the default prices rotary as one fused kernel (r 2 + w 2 forward, twice that
+    # backward = 12 B), so eager fp32 adds (56 + 116 - 12) B per element at 0.85 x 2039 GB/s.
+    model = load_model_spec("llama-3.2-3b")
+    hw = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=4096,
+                        gradient_clipping=0.0)
+    fused = estimate_step_time(model, plan, hw).components_s
+    eager = estimate_step_time(model, plan, hw, eager_fp32_rope=True).components_s
+    rotated = (24 + 8) * 128 * 28 * 8192
+    assert eager["compute"] - fused["compute"] == pytest.approx((56 + 116 - 12) * rotated / (2039e9 * 0.85),
+                                                                rel=1e-9)
+    # full checkpointing re-runs the forward: 56 - 4 more per element in the recompute
+    ac = plan.with_(checkpointing="full")
+    assert (estimate_step_time(model, ac, hw, eager_fp32_rope=True).components_s["recompute"]
+            - estimate_step_time(model, ac, hw).components_s["recompute"]) == pytest.approx(
+        (56 - 4) * rotated / (2039e9 * 0.85), rel=1e-9)
+    # under torch.compile Inductor fuses the rotation: the switch changes nothing
+    assert (estimate_step_time(model, plan, hw, compiled=True, eager_fp32_rope=True).step_time_s
+            == estimate_step_time(model, plan, hw, compiled=True).step_time_s)
+
+
+def test_bitsandbytes_8bit_step_bytes_and_the_paged_variants_host_calls_by_hand():
+    # kOptimizerStatic8bit2StateBlockwise (bitsandbytes csrc/kernels.cu, 0.44.0+) loads g, state1, state2,
+    # p and stores p, state1, state2: g and p at the parameter's item size, the states one byte each.
+    from memkit.estimate.step_terms import paged_host_ops
+    from memkit.estimate.throughput import bnb_8bit_step_bytes
+    assert bnb_8bit_step_bytes(2) == 2 + 1 + 1 + 2 + 2 + 1 + 1 == 10
+    assert bnb_8bit_step_bytes(4) == 16
+    model = load_model_spec("llama-3.2-3b")
+    hw = Hardware(gpu=A100)
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=4096,
+                        optimizer="adamw-8bit", gradient_clipping=0.0)
+    # 3.21e9 bf16 params at 10 B over 0.85 x 2039 GB/s, plus the per-tensor host ops synced after each
+    plain = estimate_step_time(model, plan, hw).components_s["optimizer_step"]
+    n = model.num_params
+    tensors = 28 * (7 + 2) + 3                      # throughput._param_tensors: 7 linears, 2 norms a block
+    assert plain == pytest.approx(n * 10 / (2039e9 * 0.85) + tensors * 3 * 10e-6, rel=1e-9)
+    # Paged: every linear weight (3072 x 1024 and up) and the tied embedding have >= 1e5 elements,
+    # so 28 x 7 + 1 = 197 tensors page their states (Optimizer8bit.get_state_buffer) and prefetch two
+    # of them each step (prefetch_state); step() syncs once more at its end when paged.
+    paged = plan.with_(optimizer="paged-adamw-8bit")
+    assert paged_host_ops(model, paged, step_calls=1) == 2 * 197 + 1
+    assert paged_host_ops(model, plan, step_calls=1) == 0
+    assert (estimate_step_time(model, paged, hw).components_s["optimizer_step"] - plain
+            == pytest.approx((2 * 197 + 1) * 10e-6, rel=1e-9))
+    # In backward: one paged optimizer per tensor (torchtune create_optim_in_bwd), so one end sync each.
+    ib, ib_paged = plan.with_(optimizer_in_backward=True), paged.with_(optimizer_in_backward=True)
+    assert (estimate_step_time(model, ib_paged, hw).components_s["optimizer_step"]
+            - estimate_step_time(model, ib, hw).components_s["optimizer_step"]
+            == pytest.approx((2 * 197 + tensors) * 10e-6, rel=1e-9))
+    # LoRA r8 adapters of a 4096-wide model (8 x 4096 = 32768 elements) stay unpaged
+    lora = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=2048,
+                        optimizer="paged-adamw-8bit", lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert paged_host_ops(load_model_spec("llama-3.1-8b"), lora, step_calls=1) == 1
