@@ -313,6 +313,8 @@ class _Memo:
     unasked plans) search the same structures, and building them validates every plan."""
     bounds: dict = field(default_factory=dict)
     """structure -> (its micro-batch options, _bound of it)."""
+    dominators: dict = field(default_factory=dict)
+    """structure -> _dominators of it (plans derived once per request, not at every _bound_order)."""
     micro_speeds: dict = field(default_factory=dict)
     """(structure, micro-batch) -> step time (s): _Evaluator.speed_at's memo, which skips deriving
     the plan (with_micro) for the step times the bounds and the micro-batch choice re-read."""
@@ -732,13 +734,16 @@ def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        if any(d in present for d in _dominators(s)):
-            waiting.append((index, s, micros))
+        doms = ev.memo.dominators.get(s)
+        if doms is None:
+            doms = ev.memo.dominators[s] = _dominators(s)
+        if any(d in present for d in doms):
+            waiting.append((index, s, micros, doms))
             continue
         exact[s] = _bound(ev, s, micros)
         heap.append((exact[s], index, True, s, micros))
-    for index, s, micros in waiting:
-        floor = max((exact[d] for d in _dominators(s) if d in exact), default=None)
+    for index, s, micros, doms in waiting:
+        floor = max((exact[d] for d in doms if d in exact), default=None)
         if floor is None:
             heap.append((_bound(ev, s, micros), index, True, s, micros))
         else:
