@@ -314,6 +314,8 @@ class _Memo:
     unasked plans) search the same structures, and building them validates every plan."""
     bounds: dict = field(default_factory=dict)
     """structure -> (its micro-batch options, _bound of it)."""
+    dominators: dict = field(default_factory=dict)
+    """structure -> _dominators of it (plans derived once per request, not at every _bound_order)."""
     micro_speeds: dict = field(default_factory=dict)
     """(structure, micro-batch) -> step time (s): _Evaluator.speed_at's memo, which skips deriving
     the plan (with_micro) for the step times the bounds and the micro-batch choice re-read."""
@@ -717,35 +719,59 @@ def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
     return bound
 
 
+def _dominators(s: TrainingPlan) -> list[TrainingPlan]:
+    """Structures whose bound is at most `s`'s, at every micro-batch of the same options (the same
+    dp, pp and engine): `s` without activation offload, and a ZeRO-1/2 `s` with overlap_comm on.
+
+    - Activation offload: the step-time model adds the PCIe transfer to each micro-step and changes
+      nothing else (estimate/throughput.py, step_terms.py ActivationOffload; checked by
+      tests/unit/test_planner_assumptions.py).
+    - overlap_comm off: estimate/throughput.py _dp_comm is the only step-time term that reads it,
+      and there it replaces the exposed reduce time `_overlapped(rs, bwd_s)` by `rs` itself (stage 1
+      at the boundary, stage 2 every micro-step); _overlapped(c, w) = max(0, c - w) +
+      OVERLAP_COMPUTE_COST * min(c, w) <= c since OVERLAP_COMPUTE_COST < 1, and both terms enter the
+      step with positive weights (micro x m x bubble, boundary). Checked by the same test file.
+    The partial-checkpointing bound (_bound: the 'none' sibling's times) keeps both relations, as the
+    sibling differs in the same knob."""
+    out = []
+    if s.offload_activations != "none":
+        out.append(s.with_(offload_activations="none"))
+    if s.zero_stage in (1, 2) and not s.overlap_comm:
+        out += [d.with_(overlap_comm=True) for d in [s, *out]]
+    return out
+
+
 def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
     """(bound, index, structure, micro-batches) in ascending (bound, index) order, as a generator,
     computing a bound only when the visit may reach it.
 
-    An activation-offload structure's bound is at least its no-offload sibling's: the step-time
-    model adds the PCIe transfer to each micro-step and changes nothing else
-    (estimate/throughput.py _offload; checked by tests/unit/test_planner_assumptions.py), at every
-    micro-batch of the same options. So it waits in the heap under that lower bound and is priced
-    only when popped; an item is yielded only when its exact (bound, index) is the heap's
-    least key, and every key left is a lower bound of its own exact key, so the order is exactly
-    that of sorting all exact bounds - and a search that stops early never prices the rest."""
+    A structure with a dominator in `structs` (_dominators: a sibling whose bound is provably at
+    most its own) waits in the heap under that sibling's exact bound and is priced only when
+    popped; an item is yielded only when its exact (bound, index) is the heap's least key, and
+    every key left is a lower bound of its own exact key, so the order is exactly that of sorting
+    all exact bounds - and a search that stops early never prices the rest."""
     heap = []
     exact: dict[TrainingPlan, float] = {}
     waiting = []
+    present = set(structs)
     for index, s in enumerate(structs):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        if s.offload_activations != "none":
-            waiting.append((index, s, micros))
+        doms = ev.memo.dominators.get(s)
+        if doms is None:
+            doms = ev.memo.dominators[s] = _dominators(s)
+        if any(d in present for d in doms):
+            waiting.append((index, s, micros, doms))
             continue
         exact[s] = _bound(ev, s, micros)
         heap.append((exact[s], index, True, s, micros))
-    for index, s, micros in waiting:
-        sibling = exact.get(s.with_(offload_activations="none"))
-        if sibling is None:
+    for index, s, micros, doms in waiting:
+        floor = max((exact[d] for d in doms if d in exact), default=None)
+        if floor is None:
             heap.append((_bound(ev, s, micros), index, True, s, micros))
         else:
-            heap.append((sibling, index, False, s, micros))
+            heap.append((floor, index, False, s, micros))
     heapq.heapify(heap)
     while heap:
         key, index, is_exact, s, micros = heapq.heappop(heap)
@@ -762,6 +788,7 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
     rejected: list[Rejection] = []
     largest: dict[TrainingPlan, int] = {}  # structure -> index of its largest micro-batch that fits
     guesses: dict[tuple, int] = {}  # partial checkpointing's last answer, by loss and activation offload
+    twins: dict[TrainingPlan, int] = {}  # ... by structure with overlap_comm on (its overlap / no-overlap twin)
     for bound, _, s, micros in _bound_order(ev, structs):
         if len(found) >= keep and bound >= found_times[keep - 1]:
             break
@@ -789,11 +816,15 @@ def _search_throughput(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier, 
         best = min(range(lo + 1), key=lambda j: (times[j], -j))
         plan = with_micro(s, micros[best])
         if _tries_partial(ev, s):
-            # first guess: the smallest micro-batch that does not fit without checkpointing
-            like = (s.loss, s.offload_activations)
-            guess = guesses.get(like, largest.get(s.with_(checkpointing="none"), -1) + 1)
+            # The micro-batch bisected first (any guess gives the same answer, _partial_checkpointing; a
+            # good one saves estimates): the
+            # overlap twin's answer (same memory but for the overlap buffers), else the last one of the
+            # same loss and activation offload, else the smallest micro-batch that does not fit without
+            # checkpointing
+            like, twin = (s.loss, s.offload_activations), s.with_(overlap_comm=True)
+            guess = twins.get(twin, guesses.get(like, largest.get(s.with_(checkpointing="none"), -1) + 1))
             plan, best = _partial_checkpointing(ev, s, micros, lo, plan, guess=min(guess, lo))
-            guesses[like] = best
+            guesses[like] = twins[twin] = best
         cand = Candidate(plan=plan, memory=ev.check(plan).estimate, speed=ev.speed(plan), tier=tier.name,
                          limit_plan=limit if best == lo else None)
         pos = bisect.bisect_right(found_times, cand.speed.step_time_s)

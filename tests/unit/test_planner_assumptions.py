@@ -7,7 +7,8 @@ the search:
   (b) host RAM does not depend on checkpointing, overlap_comm or the micro-batch, and does not
       shrink with more CPU offload;
   (c) activation offload never shortens a step: the same plan at the same micro-batch is at
-      least as slow with it (search._bound_order prices offload structures lazily on this).
+      least as slow with it (search._bound_order prices offload structures lazily on this);
+  (d) nor does overlap_comm off under ZeRO-1/2 (search._dominators, the same laziness).
 """
 from __future__ import annotations
 
@@ -108,3 +109,23 @@ def test_activation_offload_never_shortens_a_step(name, gpu, per_node, nodes):
                     kept = plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=ckpt,
                                 micro_batch_size=micro, grad_accum=2)
                     assert step_s(kept.with_(offload_activations="cpu")) >= step_s(kept), (zero, o, q, ckpt, micro)
+
+
+@pytest.mark.parametrize("gpu, per_node, nodes", HARDWARE)
+@pytest.mark.parametrize("name", MODELS)
+def test_overlap_off_never_shortens_a_zero12_step(name, gpu, per_node, nodes):
+    model = load_model_spec(name)
+    hardware = Hardware(gpu=find_gpu(gpu), num_gpus_per_node=per_node, num_nodes=nodes)
+    plan = _plans(model, hardware)
+
+    def step_s(p):
+        return estimate_step_time(model, p, hardware).step_time_s
+
+    for zero in (1, 2):
+        for o, q in OFFLOADS[zero]:
+            for ckpt in ("none", "2", "full"):
+                for micro in (1, 4):
+                    for acts in ("none", "cpu"):
+                        on = plan(zero_stage=zero, offload_optimizer=o, offload_params=q, checkpointing=ckpt,
+                                  micro_batch_size=micro, grad_accum=2, offload_activations=acts, overlap_comm=True)
+                        assert step_s(on.with_(overlap_comm=False)) >= step_s(on), (zero, o, ckpt, micro, acts)

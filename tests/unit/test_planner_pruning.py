@@ -1,8 +1,9 @@
 """The throughput search's shortcuts (memkit/planner/search.py) give the answer of the plain visit
 they replace, with fewer estimates:
 
-  - structures are visited in ascending (bound, index) order even though activation-offload
-    structures are priced only when the visit may reach them (_bound_order);
+  - structures are visited in ascending (bound, index) order even though activation-offload and
+    ZeRO-1/2 no-overlap structures are priced only when the visit may reach them (_bound_order,
+    _dominators);
   - partial checkpointing (_partial_checkpointing) returns what the plain visit returns -
     micro-batches in order of their no-recompute step time, a full bisection over K at each,
     strict improvement, stop at the first micro-batch not faster without recompute - whichever
@@ -25,6 +26,9 @@ REQUESTS = {
     # fits with K = 15..20 and 27..28 checkpointed blocks, not with 21..26
     "3b-4090": dict(model="llama-3.2-3b", gpu="rtx-4090", per_node=1, batch=64, seq=4096),
     "1b-a100": dict(model="llama-3.2-1b", gpu="a100-40gb", per_node=2, batch=64, seq=8192),
+    # a 10^9-sequence batch: 43 micro-batch options per structure (planner/space.py divisors_up_to),
+    # a dozen of them fit with full checkpointing
+    "1b-a100-1e9": dict(model="llama-3.2-1b", gpu="a100-40gb", per_node=8, batch=10**9, seq=4096),
 }
 
 
@@ -122,6 +126,22 @@ def test_structures_come_in_exact_bound_order_and_offload_ones_are_priced_lazily
     rest = [(bound, index) for bound, index, _, _ in order]
     assert [(first[0], first[1])] + rest == exact
     assert priced_at_first < len(lazy.memo.speeds)
+
+
+def test_dominated_structures_wait_unpriced_until_the_visit_reaches_them():
+    """_bound_order: at the first structure yielded, no activation-offload or ZeRO-1/2 no-overlap
+    structure has its bound priced (each waits under a sibling's), and every one is priced by the
+    end (the order itself: the test above)."""
+    req = _request("1b-a100")
+    structs = _structures(req)
+    dominated = [s for s in structs if s.offload_activations != "none" or (s.zero_stage in (1, 2) and not s.overlap_comm)]
+    assert any(not s.overlap_comm for s in dominated) and any(s.offload_activations != "none" for s in dominated)
+    ev = _Evaluator(req, estimate_memory)
+    order = _bound_order(ev, structs)
+    next(order)
+    assert not any(s in ev.memo.bounds for s in dominated)
+    list(order)
+    assert all(s in ev.memo.bounds for s in dominated)
 
 
 # ---- the peak floor's shortcuts against the search without them ---------------------------------
