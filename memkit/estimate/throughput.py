@@ -910,13 +910,10 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     memkit's runs and Trainer files pass use_reentrant=False (train/techniques.py, emit/trainer.py).
     `fused_optimizer`: the run builds torch.optim.AdamW(fused=True) (ADAMW_FUSED_PASSES); memkit's
     runner builds the default, foreach one (train/loop.py).
-    `chunked_loss_saves_logits`: the run's --loss chunked is one whose chunks' logits autograd keeps
-    for backward, the model's head run per chunk (torchtune's TransformerDecoder.forward with
-    num_output_chunks + CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17): no
-    head recompute (step_terms.Loss); memkit's chunked loss recomputes each chunk's logits.
-    `eager_fp32_rope`: the run's rotary embedding upcasts q and k to fp32 op by op, torchtune's
-    RotaryPositionalEmbeddings (eager_fp32_rope_bytes), unless `compiled`; memkit's runs use
-    transformers' apply_rotary_pos_emb in the compute dtype."""
+    `chunked_loss_saves_logits`: autograd keeps each chunk's logits, no head recompute (torchtune's
+    CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17; step_terms.Loss).
+    `eager_fp32_rope`: rotary upcasts q, k to fp32 op by op unless `compiled` (torchtune's
+    RotaryPositionalEmbeddings, eager_fp32_rope_bytes); memkit's runs use transformers' in 16 bits."""
     if backward_prefetch not in ("pre", "post"):
         raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
     from memkit.estimate.step_terms import StepContext, StepTerms
