@@ -159,10 +159,14 @@ class QuantizedBase(StepTechnique):
 
 class Lora(StepTechnique):
     """LoRA adapters: their GEMMs are priced with each adapted linear (throughput.lora_adapter_pass),
-    in fp32 where peft keeps them so (throughput.peft_fp32_adapters)."""
+    in fp32 where peft keeps them so (throughput.peft_fp32_adapters): the run's stated dtype, else
+    the one the stack's stated peft gives (spec/stack.py StackBehaviour.lora_adapter_dtype)."""
 
     def setup(self, c, t):
-        t.fp32_adapters = peft_fp32_adapters(c.plan, c.lora_adapter_dtype)
+        stated = c.lora_adapter_dtype
+        if stated is None and c.how.lora_adapter_dtype == "base" and c.plan.precision == "bf16-pure":
+            stated = "bf16"  # the 16-bit base's dtype (a mixed-precision base is fp32 already)
+        t.fp32_adapters = peft_fp32_adapters(c.plan, stated)
 
 
 class OptimizerOffload(StepTechnique):

@@ -150,9 +150,15 @@ class StackBehaviour:
     """transformers' gradient_checkpointing_enable() defaults to reentrant checkpoint (< 5.0)."""
     zero3_debug_strings: bool = False
     """DeepSpeed ZeRO-3 formats per-parameter debug strings in every fetch/release (deepspeed < 0.9.4)."""
-    fp32_lora_adapters: bool = False
-    """peft keeps LoRA adapters in fp32 over a 16-bit base (peft < 0.7 or >= 0.12, as stated; an
-    unstated peft prices them in the base's dtype)."""
+    lora_adapter_dtype: str | None = None
+    """The dtype the stated peft gives LoRA adapters over a 16-bit base: "fp32" (peft < 0.7 or
+    >= 0.12) or "base" (0.7-0.11, PEFT_ADAPTERS_IN_BASE_DTYPE); None where the stack states no peft
+    (each estimate keeps its own default: the memory states price the base's dtype, the step time
+    peft's current fp32, throughput.peft_fp32_adapters)."""
+
+    @property
+    def fp32_lora_adapters(self) -> bool:
+        return self.lora_adapter_dtype == "fp32"
     notes: tuple[str, ...] = ()
 
 
@@ -190,9 +196,10 @@ def behaviour(stack: Stack | None) -> StackBehaviour:
     pf = version_tuple(stack.peft)
     if stack.peft and pf is None:
         notes.append(f"peft {stack.peft}: version not understood; LoRA adapters priced in the base's dtype")
-    fp32_adapters = pf is not None and not (PEFT_ADAPTERS_IN_BASE_DTYPE[0] <= pf[:2] < PEFT_ADAPTERS_IN_BASE_DTYPE[1])
+    adapter_dtype = None if pf is None else (
+        "base" if PEFT_ADAPTERS_IN_BASE_DTYPE[0] <= pf[:2] < PEFT_ADAPTERS_IN_BASE_DTYPE[1] else "fp32")
     return StackBehaviour(shifted_logits_copy=shifted, eager_module_loading=eager, foreach_optimizer=foreach,
                           grads_kept_between_steps=kept, checkpoint_early_stop=early_stop,
                           eager_nvls=eager_nvls, zero3_debug_strings=debug_strings,
                           hf_checkpoint_reentrant=tf is not None and tf < HF_NON_REENTRANT_TRANSFORMERS,
-                          fp32_lora_adapters=fp32_adapters, notes=tuple(notes))
+                          lora_adapter_dtype=adapter_dtype, notes=tuple(notes))

@@ -5,7 +5,7 @@ import pytest
 
 from memkit.estimate import kernels
 from memkit.estimate.backward_techniques import activation_offload_transfer_s
-from memkit.estimate.step_terms import (STEP_TECHNIQUES, ActivationOffload, Loss, OptimizerOffload, OptimizerStep,
+from memkit.estimate.step_terms import (STEP_TECHNIQUES, ActivationOffload, Lora, Loss, OptimizerOffload, OptimizerStep,
                                         StepContext, StepTerms)
 from memkit.estimate.throughput import estimate_step_time
 from memkit.plan.plan import TrainingPlan
@@ -147,3 +147,20 @@ def test_bitsandbytes_8bit_step_bytes_and_the_paged_variants_host_calls_by_hand(
     lora = TrainingPlan(engine="torch", precision="bf16-pure", micro_batch_size=2, seq_len=2048,
                         optimizer="paged-adamw-8bit", lora_rank=8, lora_targets=("q_proj", "v_proj"))
     assert paged_host_ops(load_model_spec("llama-3.1-8b"), lora, step_calls=1) == 1
+
+
+@pytest.mark.parametrize("peft, fp32", [("0.6.2", True), ("0.10.0", False), ("0.13.2", True), (None, True)])
+def test_the_stated_peft_sets_the_adapters_dtype_for_step_time_as_for_memory(peft, fp32):
+    """One fact (spec/stack.py PEFT_ADAPTERS_IN_BASE_DTYPE) for both models: peft 0.7-0.11 casts
+    adapters to the base's dtype, so a bf16-pure LoRA step runs them in bf16; an unstated peft keeps
+    the step time's default, peft's current fp32 upcast (throughput.peft_fp32_adapters)."""
+    from memkit.spec.stack import Stack
+
+    plan = TrainingPlan(engine="torch", precision="bf16-pure", lora_rank=16, micro_batch_size=2, seq_len=1024)
+    how = behaviour(Stack(peft=peft) if peft else None)
+    c = StepContext(model=LLAMA1B, plan=plan, hardware=Hardware(gpu=A100), gpu=A100, how=how,
+                    tokens=plan.micro_batch_size * plan.seq_len)
+    t = StepTerms()
+    Lora().setup(c, t)
+    assert t.fp32_adapters is fp32
+    assert how.fp32_lora_adapters is (fp32 and peft is not None)  # the memory states' reading
