@@ -463,14 +463,20 @@ tolerance (tests/e2e/test_parallel_equivalence.py MEMORY_RTOL; the CPU measureme
 tests/golden/cpu_measurements.json are all within 5 %)."""
 
 
+MOVING_PARTS = (("checkpointing", lambda p: p.checkpointing != "none"),
+                ("chunked/fused loss", lambda p: p.loss != "standard"),
+                ("optimizer in backward", lambda p: p.optimizer_in_backward),
+                ("ZeRO sharding", lambda p: p.zero_stage > 0))
+"""Mechanisms a run adds on top of a plain data-parallel step, each one more thing that can
+misbehave at run time and one more term whose price the step-time model states
+(estimate/step_terms.py): activation checkpointing (Checkpointing), a chunked or fused loss (Loss),
+the optimizer stepped inside backward (OptimizerInBackward), sharded optimizer states, gradients
+or parameters (ZeRO 1-3 / FSDP: _dp_comm's gathers and reductions)."""
+
+
 def moving_parts(plan: TrainingPlan) -> int:
-    """Mechanisms the run adds on top of a plain data-parallel step, each one more thing that can
-    misbehave at run time and one more term whose price the step-time model states
-    (estimate/step_terms.py): activation checkpointing (Checkpointing), a chunked or fused loss
-    (Loss), the optimizer stepped inside backward (OptimizerInBackward), sharded optimizer states,
-    gradients or parameters (ZeRO 1-3 / FSDP: _dp_comm's gathers and reductions)."""
-    return (int(plan.checkpointing != "none") + int(plan.loss != "standard")
-            + int(plan.optimizer_in_backward) + int(plan.zero_stage > 0))
+    """How many of MOVING_PARTS `plan` has."""
+    return sum(bool(has(plan)) for _, has in MOVING_PARTS)
 
 
 def _risk(request: Request, cand: Candidate) -> tuple[int, int, int, int]:
@@ -515,10 +521,8 @@ def _risk_words(request: Request, a: Candidate, b: Candidate) -> list[str]:
 
 
 def _parts_words(a: TrainingPlan, b: TrainingPlan) -> str:
-    """The moving parts (moving_parts) b has and a does not."""
-    parts = (("checkpointing", lambda p: p.checkpointing != "none"), ("chunked/fused loss", lambda p: p.loss != "standard"),
-             ("optimizer in backward", lambda p: p.optimizer_in_backward), ("ZeRO sharding", lambda p: p.zero_stage > 0))
-    return "no " + ", no ".join(name for name, has in parts if has(b) and not has(a))
+    """The moving parts (MOVING_PARTS) b has and a does not."""
+    return "no " + ", no ".join(name for name, has in MOVING_PARTS if has(b) and not has(a))
 
 
 def step_time_margin(chosen_s: float, other_s: float) -> float:
