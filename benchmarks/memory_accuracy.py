@@ -192,9 +192,9 @@ def render(outcomes: list[Outcome], *, verbose: bool, worst: int) -> str:
     for name, (c, n) in sorted(cov.items()):
         out.append(f"  {name:<40} {n:>3} rows  {100 * c / n:5.1f}% under the bound")
     if cov:
-        worst = min(cov, key=lambda k: cov[k][0] / cov[k][1])
+        fold = min(cov, key=lambda k: cov[k][0] / cov[k][1])
         covered, total = sum(c for c, _ in cov.values()), sum(n for _, n in cov.values())
-        out.append(f"  worst fold {worst} {100 * cov[worst][0] / cov[worst][1]:.1f}%, pooled {100 * covered / total:.1f}% "
+        out.append(f"  worst fold {fold} {100 * cov[fold][0] / cov[fold][1]:.1f}%, pooled {100 * covered / total:.1f}% "
                    f"of {total} rows")
 
     wide: dict[str, list[Outcome]] = {}
