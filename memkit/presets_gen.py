@@ -105,29 +105,48 @@ def _plan_group(group: tuple[str, str, bool, int]):
     return chosen, misses
 
 
+def _worker_tasks(groups: list[tuple[str, str, bool, int]]) -> list[list[tuple[str, str, bool, int]]]:
+    """`groups` by (model, LoRA, sequence), each one worker's task: its cards search the same plan
+    structures, and a worker's memory estimates reuse the replays they share (estimate/memory.py
+    _replay: the cards of one cuBLAS workspace replay the same events). Largest model first, so
+    that the longest tasks start first and the workers finish together."""
+    by_task: dict[tuple, list] = {}
+    for g in groups:
+        by_task.setdefault((g[0], g[2], g[3]), []).append(g)
+    return sorted(by_task.values(), key=lambda task: -MODELS.index(task[0][0]))
+
+
+def _plan_task(task: list[tuple[str, str, bool, int]]) -> list[tuple]:
+    return [_plan_group(g) for g in task]
+
+
 def plan_presets(*, workers: int | None = None, progress=None) -> tuple[dict[PresetRequest, object], list[PresetRequest]]:
     """(request -> SearchResult for every preset, requests that fit on no count of that card).
-    The families are independent searches: `workers` processes share them (default: one per CPU);
-    `progress(done, total, group)` is called as each finishes."""
+    The families are independent searches: `workers` processes share them (default: one per CPU),
+    a model's cards in one process (_worker_tasks); `progress(done, total, group)` is called as each finishes."""
     import os
 
     groups = _groups()
-    workers = workers or min(len(groups), os.cpu_count() or 1)
+    tasks = _worker_tasks(groups)
+    workers = workers or min(len(tasks), os.cpu_count() or 1)
     results: dict[tuple, tuple] = {}
+
+    def finished(task, outs) -> None:
+        for g, out in zip(task, outs):
+            results[g] = out
+            if progress:
+                progress(len(results), len(groups), g)
+
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_plan_group, g): g for g in groups}
+            futures = {pool.submit(_plan_task, fam): i for i, fam in enumerate(tasks)}
             for future in as_completed(futures):
-                results[futures[future]] = future.result()
-                if progress:
-                    progress(len(results), len(groups), futures[future])
+                finished(tasks[futures[future]], future.result())
     else:
-        for g in groups:
-            results[g] = _plan_group(g)
-            if progress:
-                progress(len(results), len(groups), g)
+        for fam in tasks:
+            finished(fam, _plan_task(fam))
     chosen: dict[PresetRequest, object] = {}
     misses: list[PresetRequest] = []
     for g in groups:  # in the families' order, whatever order they finished in

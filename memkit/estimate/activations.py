@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from memkit.estimate.tape import Sym, Tape
 from memkit.plan.plan import TrainingPlan
@@ -305,15 +306,55 @@ class _BlockReplay:
         return tape.add(h1, m)
 
 
+BLOCK_PLAN_FIELDS = ("precision", "engine", "zero_stage", "attention", "micro_batch_size", "seq_len", "tp",
+                     "sequence_parallel", "lora_rank", "lora_targets", "lora_dropout", "quantize_base")
+"""The TrainingPlan fields block_activations reads (numerics, _BlockReplay and its own body), the
+plan's part of its memo key: the planner asks for the same block under plans that differ only in
+the other fields (ZeRO offload, data parallelism, accumulation, checkpointing), thousands of times
+per search. tests/unit/test_estimate_memo.py checks that changing any other field changes nothing."""
+
+
+class PlanPart:
+    """A plan keyed (hashed, compared) by some of its fields, carrying the plan itself."""
+
+    __slots__ = ("plan", "key")
+
+    def __init__(self, plan: TrainingPlan, names: tuple[str, ...]):
+        self.plan, self.key = plan, tuple(getattr(plan, n) for n in names)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PlanPart) and self.key == other.key
+
+
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
                       encoder: bool | None = None, device: str = "cuda",
                       input_requires_grad: bool = True) -> BlockActivations:
     """Saved bytes of one block for one micro-batch on one rank. An encoder-decoder model's blocks
     differ (the decoder's cross-attention): `encoder` picks one; None gives their mean over the model,
     which the phase walk multiplies by the layer count. `input_requires_grad=False`: the first
-    block behind a frozen embedding (see first_block_input_frozen)."""
-    num = numerics(plan)
+    block behind a frozen embedding (see first_block_input_frozen). Memoised on the spec and
+    BLOCK_PLAN_FIELDS (a pure function of them), except for a traced spec: its trace reads the
+    whole plan and spec.extra, which ModelSpec's hash and == leave out."""
     b = micro_batch_size or plan.micro_batch_size
+    if spec.traced:
+        return _block_activations(spec, plan, b, encoder, device, input_requires_grad)
+    return _memo_block_activations(spec, PlanPart(plan, BLOCK_PLAN_FIELDS), b, encoder, device,
+                                   input_requires_grad)
+
+
+@lru_cache(maxsize=4096)
+def _memo_block_activations(spec: ModelSpec, part: PlanPart, b: int, encoder: bool | None, device: str,
+                            input_requires_grad: bool) -> BlockActivations:
+    return _block_activations(spec, part.plan, b, encoder, device, input_requires_grad)
+
+
+def _block_activations(spec: ModelSpec, plan: TrainingPlan, b: int, encoder: bool | None, device: str,
+                       input_requires_grad: bool) -> BlockActivations:
+    """block_activations, computed."""
+    num = numerics(plan)
     if encoder is None and spec.num_encoder_layers and not spec.traced:
         enc, dec = (block_activations(spec, plan, micro_batch_size=b, encoder=e, device=device) for e in (True, False))
         n_enc, n_dec, total = spec.num_encoder_layers, spec.num_layers, spec.total_layers

@@ -325,9 +325,15 @@ def replay_on_device(events, *, caching: bool, expandable_segments: bool, capaci
     alloc_block again): if that rescues the run, reserved is what it holds then; else the stats say
     what it needed (allocated over the capacity runs out whatever the cache does)."""
     stats = replay(events, AllocatorConfig(caching=caching, expandable_segments=expandable_segments))
-    if caching and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes:
+    if capacity_binds(stats, caching=caching, capacity=capacity):
         capped = replay(events, AllocatorConfig(caching=True, capacity=capacity,
                                                 expandable_segments=expandable_segments))
         if not capped.ran_out:
             return capped
     return stats
+
+
+def capacity_binds(stats: ReplayStats, *, caching: bool, capacity: int) -> bool:
+    """Whether replay_on_device's answer differs from the uncapped replay's `stats`: the cache alone
+    takes it over the capacity, so torch's release-and-retry is replayed."""
+    return caching and stats.allocated_peak_bytes <= capacity < stats.reserved_peak_bytes

@@ -18,12 +18,14 @@ CUDA context, NCCL communicator buffers).
 """
 from __future__ import annotations
 
+import hashlib
+import marshal
 import math
 from dataclasses import replace
 
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_logits, loss_path_bytes, numerics
-from memkit.estimate.allocator import replay_on_device
+from memkit.estimate.allocator import AllocatorConfig, capacity_binds, replay, replay_on_device
 from memkit.estimate.backward_techniques import offloaded_activation_bytes
 from memkit.estimate.bounds import QUANTILE_LABEL, margin, uncovered_kinds
 from memkit.estimate.cuda_extras import cublas_workspace_bytes, outside_allocator_bytes
@@ -492,12 +494,51 @@ def _replayed(walk: _PhaseWalk, phases: dict, moments: list, first_grads: list, 
     if trace is not None:
         trace.update(timeline=timeline, chunks=chunks, streams=streams, outside=outside,
                      steady=(1 + len(first_step), 1 + len(first_step) + len(step)))
-    events = moment_events(timeline, chunks, streams)
     # the allocator the plan states (TrainingPlan.alloc_conf), replayed as EXPANDABLE_REPLAY_IN_ESTIMATES says
     expandable = cuda and plan.alloc_conf == "expandable" and EXPANDABLE_REPLAY_IN_ESTIMATES
-    stats = replay_on_device(events, caching=cuda, expandable_segments=expandable,
-                             capacity=(capacity_bytes or hardware.gpu.memory_bytes) - outside)
+    stats = _replay(timeline, chunks, streams, caching=cuda, expandable_segments=expandable,
+                    capacity=(capacity_bytes or hardware.gpu.memory_bytes) - outside)
     return stats, outside
+
+
+REPLAY_MEMO_SIZE = 4096
+"""Uncapped replays remembered (a ReplayStats and a 20-byte key each): plans of one structure on
+cards of one cuBLAS workspace, or at GPU counts where the rank holds the same bytes, replay the
+same events."""
+
+
+def _replay(timeline: list[dict[str, int]], chunks: dict[str, tuple[int, ...]], streams: dict[str, int], *,
+            caching: bool, expandable_segments: bool, capacity: int):
+    """replay_on_device(moment_events(timeline, chunks, streams), ...), with the replay that does
+    not depend on the capacity memoised on a digest of its inputs (_replay_key): the replay is a
+    deterministic function of them. Where the capacity binds (allocator.capacity_binds, rare) the
+    capped replay runs as replay_on_device runs it."""
+    key = _replay_key(timeline, chunks, streams, caching, expandable_segments)
+    stats = _UNCAPPED.get(key)
+    if stats is None:
+        stats = replay(moment_events(timeline, chunks, streams),
+                       AllocatorConfig(caching=caching, expandable_segments=expandable_segments))
+        if len(_UNCAPPED) >= REPLAY_MEMO_SIZE:
+            del _UNCAPPED[next(iter(_UNCAPPED))]  # the oldest entry
+        _UNCAPPED[key] = stats
+    if not capacity_binds(stats, caching=caching, capacity=capacity):
+        return stats
+    return replay_on_device(moment_events(timeline, chunks, streams), caching=caching,
+                            expandable_segments=expandable_segments, capacity=capacity)
+
+
+_UNCAPPED: dict = {}
+"""_replay_key -> the uncapped replay's ReplayStats (frozen), at most REPLAY_MEMO_SIZE, oldest dropped first."""
+
+
+def _replay_key(timeline, chunks, streams, caching: bool, expandable_segments: bool) -> bytes:
+    """A BLAKE2b-160 digest of everything the uncapped replay reads: the moments in order, each
+    component in its dict's order (moment_events' order), the chunk sizes and streams, the two
+    allocator settings. marshal version 2 writes values only (no shared references), so equal
+    inputs give equal bytes; a digest rather than the inputs keeps an entry small (a 70B timeline
+    is ~100 KB)."""
+    blob = marshal.dumps((timeline, chunks, streams, caching, expandable_segments), 2)
+    return hashlib.blake2b(blob, digest_size=20).digest()
 
 
 def _loss_work_moments(seq: list[dict[str, int]], i: int, key: str, forward_work: int,

@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from memkit.estimate import kernels
-from memkit.estimate.activations import head_logits, numerics
+from memkit.estimate.activations import PlanPart, head_logits, numerics
 from memkit.estimate.flops import train_flops_per_token
 from memkit.estimate.techniques import loss_recompute_flops_per_token, recompute_share
 from memkit.plan.plan import TrainingPlan
@@ -636,12 +636,30 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
     return _Pass(fwd + loss / 2 + emb / 3, bwd + loss / 2 + 2 * emb / 3, 8)
 
 
+LAYER_PASS_PLAN_FIELDS = ("precision", "engine", "zero_stage", "attention", "micro_batch_size", "seq_len",
+                          "target_len", "task", "num_labels", "tp", "pp", "sequence_parallel", "lora_rank",
+                          "lora_targets", "lora_dropout", "quantize_base")
+"""The TrainingPlan fields _layer_passes reads (its passes, numerics, task_spec, head_logits), the
+plan's part of its memo key: the planner prices structures that differ only in the other fields
+(ZeRO offload, checkpointing, the loss, overlap, data parallelism) at the same micro-batch.
+tests/unit/test_estimate_memo.py checks that changing any other field changes nothing."""
+
+
 def _layer_passes(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False,
                   eager_fp32_rope: bool = False) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, the forward of every block of the model = what full
     checkpointing re-runs) for one micro-batch, before any technique adds its terms
-    (estimate/step_terms.py)."""
+    (estimate/step_terms.py). Memoised on its arguments with the plan's LAYER_PASS_PLAN_FIELDS
+    (a pure function of them; the result is frozen)."""
+    return _memo_layer_passes(gpu, PlanPart(plan, LAYER_PASS_PLAN_FIELDS), model, tokens, early_stop, compiled,
+                              fp32_adapters, eager_fp32_rope)
+
+
+@lru_cache(maxsize=8192)
+def _memo_layer_passes(gpu: GPU, part, model: ModelSpec, tokens: int, early_stop: bool, compiled: bool,
+                       fp32_adapters: bool, eager_fp32_rope: bool) -> tuple[_Pass, float]:
+    plan = part.plan
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
                                    compiled=compiled, fp32_adapters=fp32_adapters, eager_fp32_rope=eager_fp32_rope)
     total = block.scaled(model.num_layers)
