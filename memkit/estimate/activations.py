@@ -472,12 +472,30 @@ class HeadActivations:
     """Saved by the embedding (int64 ids) and the batch tensors (ids, labels, shifted labels)."""
 
 
+HEAD_PLAN_FIELDS = BLOCK_PLAN_FIELDS + ("loss_path", "checkpointing", "task", "num_labels", "target_len")
+"""The TrainingPlan fields head_activations reads (the final norm's _BlockReplay, loss_path_bytes,
+_loss_peaks, checkpointed_bias_bytes), the plan's part of its memo key (as BLOCK_PLAN_FIELDS)."""
+
+
 def head_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,
                      device: str = "cuda") -> HeadActivations:
     """Final norm, LM head and cross-entropy, as HF's ForCausalLMLoss runs them
-    (transformers/loss/loss_utils.py: logits.float() then cross_entropy = log_softmax + nll_loss)."""
-    num = numerics(plan)
+    (transformers/loss/loss_utils.py: logits.float() then cross_entropy = log_softmax + nll_loss).
+    Memoised on the spec and HEAD_PLAN_FIELDS but for a traced spec (as block_activations)."""
     b = micro_batch_size or plan.micro_batch_size
+    if spec.traced:
+        return _head_activations(spec, plan, b, device)
+    return _memo_head_activations(spec, PlanPart(plan, HEAD_PLAN_FIELDS), b, device)
+
+
+@lru_cache(maxsize=4096)
+def _memo_head_activations(spec: ModelSpec, part: PlanPart, b: int, device: str) -> HeadActivations:
+    return _head_activations(spec, part.plan, b, device)
+
+
+def _head_activations(spec: ModelSpec, plan: TrainingPlan, b: int, device: str) -> HeadActivations:
+    """head_activations, computed."""
+    num = numerics(plan)
     if plan.sequence_parallel and plan.tp > 1:
         # Loss parallel: the final norm runs on a sequence shard and the logits stay sharded by
         # vocabulary (torch.distributed.tensor.parallel.loss_parallel).
