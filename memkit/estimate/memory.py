@@ -22,6 +22,7 @@ import hashlib
 import marshal
 import math
 from dataclasses import replace
+from functools import lru_cache
 
 from memkit.errors import MemkitError
 from memkit.estimate.activations import block_activations, head_logits, loss_path_bytes, numerics
@@ -169,7 +170,7 @@ def peak_floor_and_host(model: ModelSpec, plan: TrainingPlan, hardware: Hardware
     _host_nvme), not from the replay; None for both with pp > 1, where the estimate reports the stage
     with the largest replayed peak."""
     def walked_peak(m: ModelSpec, k: int) -> tuple[int, _PhaseWalk, ModelSpec]:
-        *_, walk, totals = _walked(m, plan, hardware, k, device, stack)
+        *_, walk, totals = _walk(m, plan, hardware, k, device, stack)
         return max(totals.values()), walk, m
 
     stages = _per_stage(model, plan, hardware, walked_peak)
@@ -273,8 +274,8 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
     inputs (timeline, chunks, streams, the bytes outside the allocator, and the slice of the
     timeline that is one steady-state step) for estimate/varlen.py, which strings steps of several
     shapes together."""
-    c, t, technique_notes, phases, moments, first_grads, walk, totals = _walked(model, plan, hardware, stage,
-                                                                               device, stack)
+    c, t, technique_notes, phases, moments, first_grads, walk, totals = _walk(model, plan, hardware, stage, device,
+                                                                             stack, fresh=trace is not None)
     peak_phase = max(PHASES, key=lambda p: totals[p])
     components = {k: int(v) for k, v in phases[peak_phase].items() if v}
     stats, outside = _replayed(walk, phases, moments, first_grads, capacity_bytes, trace)
@@ -296,6 +297,24 @@ def _stage(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int,
         peak_phase=peak_phase, components=components, phases={k: int(v) for k, v in totals.items()},
         host_bytes_per_node=host, nvme_bytes_per_node=nvme,
         notes=tuple([*c.habits.notes, *technique_notes]))
+
+
+def _walk(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
+          stack: Stack | None, *, fresh: bool = False):
+    """_walked, through _recent_walk unless `fresh` (a trace hands the walk's dicts on) or the spec
+    is traced (its activations read spec.extra, which ModelSpec's hash and == leave out)."""
+    if fresh or model.traced:
+        return _walked(model, plan, hardware, stage, device, stack)
+    return _recent_walk(model, plan, hardware, stage, device, stack)
+
+
+@lru_cache(maxsize=16)
+def _recent_walk(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,
+                 stack: Stack | None):
+    """_walked, remembered for the last few stages: the planner takes a plan's peak floor
+    (peak_floor_and_host) and, where the floor does not decide, its estimate right after, and both
+    walk the same stage. On these paths the walk's dicts are only read."""
+    return _walked(model, plan, hardware, stage, device, stack)
 
 
 def _walked(model: ModelSpec, plan: TrainingPlan, hardware: Hardware, stage: int, device: str,

@@ -246,10 +246,23 @@ def matmul_params(model: ModelSpec) -> int:
     return n
 
 
+FLOPS_PLAN_FIELDS = ("precision", "engine", "zero_stage", "micro_batch_size", "seq_len", "target_len", "task",
+                     "num_labels", "tp", "lora_rank", "lora_targets", "checkpointing", "loss")
+"""The TrainingPlan fields flops_per_token reads (task_spec, its helpers, recompute_share and
+loss_recompute_flops_per_token), the plan's part of its memo key (as LAYER_PASS_PLAN_FIELDS)."""
+
+
 def flops_per_token(model: ModelSpec, plan: TrainingPlan) -> tuple[float, float]:
     """(model FLOPs, extra recompute FLOPs) per token of one training step (memkit.estimate.flops), a
     token being one of the micro-batch's seq_len input positions: the task's head (_per_token_params)
-    and an encoder-decoder's decoder at --target-len (_attention_positions)."""
+    and an encoder-decoder's decoder at --target-len (_attention_positions). Memoised on the model
+    and FLOPS_PLAN_FIELDS."""
+    return _memo_flops_per_token(model, PlanPart(plan, FLOPS_PLAN_FIELDS))
+
+
+@lru_cache(maxsize=4096)
+def _memo_flops_per_token(model: ModelSpec, part) -> tuple[float, float]:
+    plan = part.plan
     model = task_spec(model, plan)  # the task's head and lengths (spec/generic.py)
     n = _per_token_params(model, plan)
     lora = model.lora_params(plan.lora_rank, plan.lora_targets) + model.lora_saved_params

@@ -86,13 +86,23 @@ def test_layer_passes_read_no_plan_field_outside_their_key(model, base):
         assert compute(gpu, PlanPart(variant, keyed), model, tokens, False, False, False, False) == want, name
 
 
+@pytest.mark.parametrize("base", BASES)
+def test_flops_per_token_reads_no_plan_field_outside_its_key(model, base):
+    compute = throughput._memo_flops_per_token.__wrapped__
+    keyed = throughput.FLOPS_PLAN_FIELDS
+    want = compute(model, PlanPart(base, keyed))
+    for name, variant in _variants(base, keyed):
+        assert compute(model, PlanPart(variant, keyed)) == want, name
+
+
 def test_memoised_estimates_equal_fresh_ones(model):
     hw = Hardware(gpu=find_gpu("a100-40gb"), num_gpus_per_node=2)
     plans = [p.with_(dp=2) for p in BASES]
     warm = [memory.estimate_memory(model, p, hw) for p in plans + plans]
     memory._UNCAPPED.clear()
-    activations._memo_block_activations.cache_clear()
-    activations._memo_head_activations.cache_clear()
+    for memo in (activations._memo_block_activations, activations._memo_head_activations, memory._recent_walk,
+                 throughput._memo_layer_passes, throughput._memo_flops_per_token):
+        memo.cache_clear()
     assert warm == [memory.estimate_memory(model, p, hw) for p in plans] * 2
 
 
