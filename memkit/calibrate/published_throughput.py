@@ -155,6 +155,20 @@ def _eager_fp32_rope(record: dict) -> bool:
     return record["source_id"] == "torchtune_readme"
 
 
+def _flex_document_mask(record: dict) -> bool:
+    """torchtune's packed rows attend through FlexAttention with a block-causal BlockMask per
+    document: padded_collate_packed builds packed_block_causal_mask (torchtune/data/_collate.py),
+    a BlockMask when _SUPPORTS_FLEX_ATTENTION (torch >= 2.5 on sm75+, torchtune/utils/_import_guard.py
+    @ 30b8519e8 and 1814feb17), and MultiHeadAttention then calls the compiled flex_attention
+    whatever the recipe's `compile` (torchtune/modules/attention_utils.py _sdpa_or_flex_attention:
+    flex_attention_compiled = torch.compile(flex_attention)). FlexAttention skips the 128 x 128
+    blocks the mask leaves empty, so its cost follows the documents' lengths, which the README
+    does not give; memkit prices full causal attention over the pack (an upper bound). Packed =
+    every torchtune row of fixed length (the records' notes: the 3B baseline and the 8B rows,
+    recorded unpacked, vary in length)."""
+    return record["source_id"] == "torchtune_readme" and not record.get("length_varies")
+
+
 def _hf_trainer(record: dict) -> bool:
     """HF Trainer runs turn checkpointing on with model.gradient_checkpointing_enable() and the
     Trainer's default gradient_checkpointing_kwargs (transformers/trainer.py); the accelerate
@@ -275,6 +289,9 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     attention = _attention(record)
     if record.get("compile"):
         approx.append("torch.compile: fused norms priced, Inductor's other fusions priced as eager kernels")
+    if _flex_document_mask(record):
+        approx.append("packed: FlexAttention over a per-document block-causal BlockMask priced as full causal "
+                      "SDPA (the packs' document lengths are unpublished)")
     if any("async tp" in e.lower() for e in record.get("extras", [])):
         approx.append("async TP priced as synchronous TP")
     lora_kw = {}
