@@ -81,6 +81,10 @@ class ThroughputCase:
     """The record's chunked loss keeps the chunks' logits (_chunked_loss_saves_logits)."""
     eager_fp32_rope: bool = False
     """The run's rotary embedding is torchtune's fp32 eager one (_eager_fp32_rope)."""
+    attention_kernel: str | None = None
+    """The flash kernel the run states (_attention_kernel)."""
+    no_sync_step: bool = False
+    """Each timed step is one no_sync() micro-batch and nothing more (_vectorlm_no_sync)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
@@ -115,6 +119,9 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
+    no_sync = _vectorlm_no_sync(record)
+    if no_sync:   # the timed unit is one micro-batch: a plan of one
+        plans = tuple(replace(p, grad_accum=1) for p in plans)
     stack = _HOLDOUT_STACKS.get(source) or _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
@@ -124,8 +131,27 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           hf_checkpointing=_hf_trainer(record),
                           fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
                           chunked_loss_saves_logits=_chunked_loss_saves_logits(record),
-                          eager_fp32_rope=_eager_fp32_rope(record),
-                          approx=tuple(approx), **base)
+                          eager_fp32_rope=_eager_fp32_rope(record), attention_kernel=_attention_kernel(record),
+                          no_sync_step=no_sync, approx=tuple(approx), **base)
+
+
+def _attention_kernel(record: dict) -> str | None:
+    """"fa2" where the record states transformers' attn_implementation="flash_attention_2", which
+    calls the flash-attn >= 2 package's flash_attn_func (VectorLM: vectorlm/utils/model_utils.py
+    load_model_and_tokenizer on sm80+, flash-attn==2.5.8 in docs/reference_throughput.md @ 9045f08;
+    its all-ones attention_mask takes the unpadded causal path). Every other record keeps the
+    headline pricing the dev rows rest on (kernels.flash_attention_time_s)."""
+    return "fa2" if (record.get("attention") or "").lower() == "flash_attention_2" else None
+
+
+def _vectorlm_no_sync(record: dict) -> bool:
+    """VectorLM's profiling/benchmark.py times `trainer.train_step(batch, epoch)` alone and never
+    calls Trainer.step(), the only place tr_step advances (vectorlm/trainer.py @ 9045f08), so
+    tr_step stays 0 and train_step's test `(self.tr_step + 1) % self.gas != self.gas - 1` (1 != 3
+    at gradient_accumulation_steps 4) holds at every step: each timed step is a forward and
+    backward inside `self.model.no_sync()` plus `clip_grad_norm_(1)`, with no gradient reduction and
+    no optimizer step (estimate_step_time no_sync_step)."""
+    return record["source_id"] == "vectorlm_reference_throughput"
 
 
 def _backward_prefetch(record: dict) -> str:
@@ -387,7 +413,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing,
                                    fused_optimizer=case.fused_optimizer,
                                    chunked_loss_saves_logits=case.chunked_loss_saves_logits,
-                                   eager_fp32_rope=case.eager_fp32_rope)
+                                   eager_fp32_rope=case.eager_fp32_rope,
+                                   attention_kernel=case.attention_kernel, no_sync_step=case.no_sync_step)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))
