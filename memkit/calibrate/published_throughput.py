@@ -81,8 +81,6 @@ class ThroughputCase:
     """The record's chunked loss keeps the chunks' logits (_chunked_loss_saves_logits)."""
     eager_fp32_rope: bool = False
     """The run's rotary embedding is torchtune's fp32 eager one (_eager_fp32_rope)."""
-    attention_kernel: str | None = None
-    """The flash kernel the run states (_attention_kernel)."""
     no_sync_step: bool = False
     """Each timed step is one no_sync() micro-batch and nothing more (_vectorlm_no_sync)."""
     """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
@@ -131,17 +129,7 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           hf_checkpointing=_hf_trainer(record),
                           fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
                           chunked_loss_saves_logits=_chunked_loss_saves_logits(record),
-                          eager_fp32_rope=_eager_fp32_rope(record), attention_kernel=_attention_kernel(record),
-                          no_sync_step=no_sync, approx=tuple(approx), **base)
-
-
-def _attention_kernel(record: dict) -> str | None:
-    """"fa2" where the record states transformers' attn_implementation="flash_attention_2", which
-    calls the flash-attn >= 2 package's flash_attn_func (VectorLM: vectorlm/utils/model_utils.py
-    load_model_and_tokenizer on sm80+, flash-attn==2.5.8 in docs/reference_throughput.md @ 9045f08;
-    its all-ones attention_mask takes the unpadded causal path). Every other record keeps the
-    headline pricing the dev rows rest on (kernels.flash_attention_time_s)."""
-    return "fa2" if (record.get("attention") or "").lower() == "flash_attention_2" else None
+                          eager_fp32_rope=_eager_fp32_rope(record), no_sync_step=no_sync, approx=tuple(approx), **base)
 
 
 def _vectorlm_no_sync(record: dict) -> bool:
@@ -414,7 +402,7 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    fused_optimizer=case.fused_optimizer,
                                    chunked_loss_saves_logits=case.chunked_loss_saves_logits,
                                    eager_fp32_rope=case.eager_fp32_rope,
-                                   attention_kernel=case.attention_kernel, no_sync_step=case.no_sync_step)
+                                   no_sync_step=case.no_sync_step)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

@@ -205,47 +205,9 @@ def flash_attention_length_factor(gpu: GPU, seq_len: float, head_dim: float, cau
 
 
 def flash_attention_time_s(gpu: GPU, precision: str, counted_flops: float, *, seq_len: float = 16384,
-                           head_dim: float = 128, causal: bool = True, kernel: str | None = None) -> float:
+                           head_dim: float = 128, causal: bool = True) -> float:
     """Forward + backward time of flash attention whose MFU-counted FLOPs (forward + 2x backward)
-    are counted_flops. kernel "fa2": the run states FlashAttention-2 (fa2_attention_time_s); None:
-    the headline level above, which the dev rows' attention rests on (benchmarks/
-    attention_kernel_notes.md: within ~10 % of the Triton kernel most of them ran)."""
-    if kernel == "fa2":
-        return fa2_attention_time_s(gpu, precision, counted_flops, seq_len=seq_len, head_dim=head_dim, causal=causal)
-    if kernel is not None:
-        raise ValueError(f"flash kernel {kernel!r}: expected None or 'fa2'")
+    are counted_flops."""
     rate = (matmul_peak_flops(gpu, precision) * FLASH_ATTENTION_EFFICIENCY[gpu.arch] * sustained_clock_fraction(gpu)
             * flash_attention_length_factor(gpu, seq_len, head_dim, causal))
     return counted_flops / rate
-
-
-FLASH_ATTENTION_FIGURE_PEAK_TFLOPS = {"a100": 312.0, "h100": 989.5}
-"""Dense 16-bit peak of the GPU each of Figure 4's plots ran on: "A100 80GB SXM4" and "H100 80GB
-SXM5" (Dao 2023, Sec. 4.1; the catalog's bf16_tflops for a100-80gb / h100-80gb)."""
-
-FA2_CAUSAL_WORK = 0.5
-"""Share of the counted score blocks a causal FlashAttention-2 kernel computes: each query block
-stops at the diagonal (flash-attention csrc/flash_attn/src/flash_fwd_kernel.h, `n_block_max =
-min(n_block_max, ceil_div((m_block + 1) * kBlockM + seqlen_k - seqlen_q + window_size_right,
-kBlockN))` when Is_causal; flash_bwd_kernel.h likewise), and Figure 4 counts causal FLOPs that way
-(benchmarks/benchmark_flash_attention.py flops(): `4 * batch * seqlen**2 * nheads * headdim //
-(2 if causal else 1)`)."""
-
-
-def fa2_attention_time_s(gpu: GPU, precision: str, counted_flops: float, *, seq_len: float,
-                         head_dim: float, causal: bool) -> float:
-    """Forward + backward time of FlashAttention-2 (the flash-attn >= 2 package), as its own
-    benchmark measures it: the kernel's FLOPs -- the forward's (counted_flops / 3, MFU counting
-    the backward as 2x), halved under a causal mask (FA2_CAUSAL_WORK), times 3.5 for forward +
-    backward (FLASH_BACKWARD_FLOP_RATIO) -- at Figure 4's bar for this length and head dim
-    (FLASH_ATTENTION_CURVES, head dims between 64 and 128 interpolated), scaled from the figure's
-    GPU to this one by the 16-bit peaks and run at the sustained clock like every tensor-core
-    kernel here (SUSTAINED_CLOCK_FRACTION)."""
-    fig = FLASH_ATTENTION_FIGURE[gpu.arch]
-    w = min(1.0, max(0.0, (head_dim - 64) / 64))
-    bar = ((1 - w) * _curve_at(FLASH_ATTENTION_CURVES[(fig, causal, 64)], seq_len)
-           + w * _curve_at(FLASH_ATTENTION_CURVES[(fig, causal, 128)], seq_len))
-    rate = (bar * 1e12 * matmul_peak_flops(gpu, precision) / (FLASH_ATTENTION_FIGURE_PEAK_TFLOPS[fig] * 1e12)
-            * sustained_clock_fraction(gpu))
-    kernel_flops = counted_flops / 3 * (FA2_CAUSAL_WORK if causal else 1.0) * (1 + FLASH_BACKWARD_FLOP_RATIO)
-    return kernel_flops / rate

@@ -50,7 +50,6 @@ class StepContext:
     fused_optimizer: bool = False
     chunked_loss_saves_logits: bool = False
     eager_fp32_rope: bool = False
-    attention_kernel: str | None = None
     no_sync_step: bool = False
 
 

@@ -464,10 +464,8 @@ def lora_adapter_pass(gpu: GPU, plan: TrainingPlan, m: float, k_in: int, n_out: 
     return _Pass(fwd, bwd, ops)
 
 
-def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
-                    attention_kernel: str | None = None) -> _Pass:
-    """The attention core (scores, softmax, weighted values) of one attention module;
-    attention_kernel: the flash kernel the run states (kernels.flash_attention_time_s)."""
+def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _Pass:
+    """The attention core (scores, softmax, weighted values) of one attention module."""
     prec, s, q = plan.precision, plan.seq_len, model.head_dim
     heads = model.num_attention_heads // plan.tp
     b = tokens / s
@@ -478,7 +476,7 @@ def _attention_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int,
         # own FLOPs are (kernels.FLASH_BACKWARD_FLOP_RATIO).
         counted = 4.0 * tokens * s * heads * q
         both = kernels.flash_attention_time_s(gpu, prec, 3 * counted, seq_len=s, head_dim=q,
-                                              causal=model.kind == "decoder", kernel=attention_kernel)
+                                              causal=model.kind == "decoder")
         fwd = both / (1 + kernels.FLASH_BACKWARD_FLOP_RATIO)
         return _Pass(fwd, both - fwd, 2)
     # Eager: two batched GEMMs forward (Q K^T, P V), four backward, and the b x heads x s x s score
@@ -588,13 +586,13 @@ def _elementwise_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, num_attn: 
 
 def _block_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, linears: tuple[Linear, ...], tokens: int,
                 *, early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False,
-                eager_fp32_rope: bool = False, attention_kernel: str | None = None) -> tuple[_Pass, _Pass]:
+                eager_fp32_rope: bool = False) -> tuple[_Pass, _Pass]:
     """(one block's whole pass, its forward alone = what full checkpointing re-runs)."""
     num_attn = max(1, sum(lin.role in ("o", "attn_out") for lin in linears))
     total = _Pass()
     for lin in linears:
         total = total + _linear_pass(gpu, plan, model, lin, tokens, fp32_adapters=fp32_adapters)
-    total = total + _attention_pass(gpu, plan, model, tokens, attention_kernel=attention_kernel).scaled(num_attn)
+    total = total + _attention_pass(gpu, plan, model, tokens).scaled(num_attn)
     total = total + _elementwise_pass(gpu, plan, model, num_attn, tokens, compiled=compiled,
                                       eager_fp32_rope=eager_fp32_rope)
     recompute_s = total.fwd_s
@@ -640,12 +638,12 @@ def _head_pass(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int) -> _
 
 def _layer_passes(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
                   early_stop: bool = False, compiled: bool = False, fp32_adapters: bool = False,
-                  eager_fp32_rope: bool = False, attention_kernel: str | None = None) -> tuple[_Pass, float]:
+                  eager_fp32_rope: bool = False) -> tuple[_Pass, float]:
     """(fwd+bwd of the layers this GPU holds, the forward of every block of the model = what full
     checkpointing re-runs) for one micro-batch, before any technique adds its terms
     (estimate/step_terms.py)."""
     kw = dict(early_stop=early_stop, compiled=compiled, fp32_adapters=fp32_adapters,
-              eager_fp32_rope=eager_fp32_rope, attention_kernel=attention_kernel)
+              eager_fp32_rope=eager_fp32_rope)
     block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, **kw)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
@@ -675,7 +673,7 @@ def _compute_terms(c: "StepContext", t: "StepTerms", **switches) -> None:
         setattr(t, name, value)
     t.compute, t.fwd_only_s = _layer_passes(c.gpu, c.plan, c.model, c.tokens, early_stop=t.early_stop,
                                             compiled=c.compiled, fp32_adapters=t.fp32_adapters,
-                                            eager_fp32_rope=c.eager_fp32_rope, attention_kernel=c.attention_kernel)
+                                            eager_fp32_rope=c.eager_fp32_rope)
     for technique in techniques:
         technique.compute(c, t)
 
@@ -896,7 +894,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                        lora_adapter_dtype: str | None = None, offload_streams: bool = False,
                        hf_checkpointing: bool = False, fused_optimizer: bool = False,
                        chunked_loss_saves_logits: bool = False, eager_fp32_rope: bool = False,
-                       attention_kernel: str | None = None, no_sync_step: bool = False) -> StepTimeEstimate:
+                       no_sync_step: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -921,7 +919,6 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17; step_terms.Loss).
     `eager_fp32_rope`: rotary upcasts q, k to fp32 op by op unless `compiled` (torchtune's
     RotaryPositionalEmbeddings, eager_fp32_rope_bytes); memkit's runs use transformers' in 16 bits.
-    `attention_kernel`: "fa2" where the run states FlashAttention-2 (kernels.fa2_attention_time_s).
     `no_sync_step`: the step timed is one micro-batch inside torch's no_sync() and its gradient
     clipping, nothing else (_check_switches): no reduction, no optimizer step."""
     _check_switches(plan, backward_prefetch, no_sync_step)
@@ -934,7 +931,7 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
                     lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
                     chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope,
-                    attention_kernel=attention_kernel, no_sync_step=no_sync_step)
+                    no_sync_step=no_sync_step)
     t = StepTerms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s
