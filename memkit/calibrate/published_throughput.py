@@ -67,6 +67,7 @@ class ThroughputCase:
     """Bytes per gradient element as the source's framework reduces it, where that is not the
     gradient's dtype (_reduce_itemsize)."""
     backward_prefetch: str = "pre"
+    """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     compiled: bool = False
     """The run wraps the model in torch.compile (the record's `compile`)."""
     lora_adapter_dtype: str | None = None
@@ -83,7 +84,6 @@ class ThroughputCase:
     """The run's rotary embedding is torchtune's fp32 eager one (_eager_fp32_rope)."""
     no_sync_step: bool = False
     """Each timed step is one no_sync() micro-batch and nothing more (_vectorlm_no_sync)."""
-    """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
