@@ -421,8 +421,9 @@ def _baichuan(c):
     BaichuanLayer input_layernorm, post_attention_layernorm and BaichuanModel.norm are RMSNorm (weight);
     embed_tokens (V, H); lm_head (Baichuan2's NormHead: a (V, H) weight, normalized in training) untied.
     Rotary or ALiBi: vllm-project/vllm vllm/model_executor/models/baichuan.py BaichuanForCausalLM (rope when
-    hidden_size == 4096, the 7B models, else ALiBi) and BaiChuanForCausalLM (Baichuan-7B, rope). The ALiBi
-    (13B) attention is an explicit matmul + softmax in the scores' dtype (xformers when installed)."""
+    hidden_size == 4096, the 7B models, else ALiBi) and BaiChuanForCausalLM (Baichuan-7B, rope). The 7B code
+    runs xformers or SDPA (fused); the ALiBi (13B) code runs a fused kernel with the ALiBi mask only when
+    xformers is installed, else matmul + mask + softmax in the scores' dtype (BaichuanAttention.forward)."""
     h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                 "intermediate_size", "vocab_size")
     if h % n_heads:  # BaichuanAttention.__init__ raises the same
@@ -477,6 +478,18 @@ def _internlm2(c):
         block=Block(softmax_fp32=True, sdpa=flash))
 
 
+def _internlm(c):
+    """InternLM (v1, model_type 'internlm', InternLMForCausalLM; InternLM/InternLM tools/transformers/
+    internlm_model/modeling_internlm.py): the Llama block with q/k/v/o_proj bias=config.bias and every head's
+    own K/V (InternLMAttention ignores num_key_value_heads), gate/up/down_proj without bias, RMSNorm, lm_head
+    Linear(H, V, bias=False); eager attention only, softmax(..., dtype=float32). InternLMConfig defaults:
+    bias true, tie_word_embeddings false, max_position_embeddings 2048."""
+    bias = c.flag("bias", True)
+    mha = _Cfg({**c.data, "num_key_value_heads": None}, c.source)  # InternLMAttention: k/v_proj H -> H
+    return _llama_like(mha, architecture="InternLMForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, q_bias=bias, o_bias=bias, block=Block(softmax_fp32=True, sdpa=False))
+
+
 _WHY = "ships remote code memkit does not run"
 REMOTE_FAMILIES = {
     "qwen": (_qwen1, "a Llama-style decoder with the config's sizes (fused c_attn q/k/v with bias, SwiGLU MLP "
@@ -490,6 +503,9 @@ REMOTE_FAMILIES = {
                             "untied head; rope at hidden_size 4096, else ALiBi with eager attention, its ALiBi mask "
                             "and NormHead's normalized weight copy not priced) because model_type 'baichuan' "
                             f"(BaichuanForCausalLM) {_WHY}"),
+    "internlm": (_internlm, "a Llama-style decoder with the config's sizes (q/k/v/o_proj with config.bias, SwiGLU MLP, "
+                            "RMSNorm, untied head, eager attention) because model_type 'internlm' "
+                            f"(InternLMForCausalLM) {_WHY}"),
     "internlm2": (_internlm2, "a Llama-style decoder with the config's sizes (fused wqkv with GQA, SwiGLU w1/w3/w2, "
                               "RMSNorm, eager attention unless attn_implementation is flash_attention_2) because "
                               f"model_type 'internlm2' (InternLM2ForCausalLM) {_WHY}"),

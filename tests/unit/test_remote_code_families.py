@@ -1,5 +1,6 @@
 """Remote-code families mapped structurally (issue 20 item 4), beyond Qwen-1 (test_remote_code.py):
-ChatGLM2/3 (model_type 'chatglm'), Baichuan/Baichuan2 ('baichuan') and InternLM2 ('internlm2').
+ChatGLM2/3 (model_type 'chatglm'), Baichuan/Baichuan2 ('baichuan'), InternLM ('internlm') and InternLM2
+('internlm2').
 
 - Each parameter count is the formula hand-worked here from the family's modeling file (cited per
   function) on the config.json as published (tests/golden/remote_configs/), and equals the published total.
@@ -51,14 +52,22 @@ def internlm2_params(h, layers, heads, kv_heads, inter, vocab) -> int:
     return vocab * h + layers * (2 * h + h * (heads + 2 * kv_heads) * hd + h * h + 3 * h * inter) + h + vocab * h
 
 
+def internlm_params(h, layers, inter, vocab, *, bias) -> int:
+    """InternLM/InternLM tools/transformers/internlm_model/modeling_internlm.py: per InternLMDecoderLayer two
+    RMSNorm weights, q/k/v/o_proj Linear(H, H, bias=config.bias), gate/up_proj Linear(H, I), down_proj
+    Linear(I, H); embed_tokens (V x H), norm (H), lm_head Linear(H, V, bias=False)."""
+    return vocab * h + layers * (2 * h + 4 * (h * h + bias * h) + 3 * h * inter) + h + vocab * h
+
+
 # config folder -> (the hand-worked count, the published total: the model cards' safetensors totals,
-# 6.24B / 7.51B / 13.9B / 7.74B)
+# 6.24B / 7.51B / 13.9B / 7.74B; InternLM-20B's "20B" the model card's rounding)
 CASES = {
     "chatglm3-6b": (chatglm_params(4096, 28, 32, 128, 2, 13696, 65024), 6_243_584_000),
     "chatglm2-6b": (chatglm_params(4096, 28, 32, 128, 2, 13696, 65024), 6_243_584_000),
     "baichuan2-7b": (baichuan_params(4096, 32, 11008, 125696), 7_505_973_248),
     "baichuan2-13b": (baichuan_params(5120, 40, 13696, 125696), 13_896_668_160),
     "internlm2-7b": (internlm2_params(4096, 32, 32, 8, 14336, 92544), 7_737_708_544),
+    "internlm-20b": (internlm_params(5120, 60, 13824, 103168, bias=False), 20_088_714_240),
 }
 
 
@@ -96,6 +105,11 @@ def test_structure_read_from_the_config():
     assert flash.block.sdpa
     biased = spec_from_config({**_config("internlm2-7b"), "bias": True}, name="b")
     assert biased.num_params == il.num_params + 32 * ((32 + 16) * 128 + 4096)  # wqkv and wo biases
+    # InternLM (v1): every head has its own K/V whatever num_key_value_heads says; bias defaults to true
+    v1_config = {k: v for k, v in _config("internlm-20b").items() if k != "bias"}
+    v1 = spec_from_config({**v1_config, "num_key_value_heads": 8}, name="internlm-20b")
+    assert v1.num_key_value_heads == 40 and not v1.block.sdpa
+    assert v1.num_params == internlm_params(5120, 60, 13824, 103168, bias=True)
 
 
 def test_lora_targets_use_each_codebase_names():
@@ -155,4 +169,4 @@ def test_an_unmapped_remote_architecture_names_the_mapped_families(tmp_path, cap
     assert main(["estimate", "--model", str(path), "--gpu", "h100-80gb"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'memkit_unknown_remote'" in err and "--trust-remote-code" in err
-    assert "baichuan, chatglm, internlm2, qwen" in err
+    assert "baichuan, chatglm, internlm, internlm2, qwen" in err
