@@ -170,3 +170,150 @@ def test_an_unmapped_remote_architecture_names_the_mapped_families(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'memkit_unknown_remote'" in err and "--trust-remote-code" in err
     assert "baichuan, chatglm, internlm, internlm2, qwen" in err
+
+
+# ---------------------------------------------------------------- --trust-remote-code: a ChatGLM-shaped folder
+
+_GLM_CONFIGURATION = '''
+from transformers import PretrainedConfig
+
+
+class TinyGLMConfig(PretrainedConfig):
+    model_type = "chatglm"
+
+    def __init__(self, padded_vocab_size=1000, hidden_size=64, num_layers=2, num_attention_heads=4, kv_channels=16,
+                 multi_query_group_num=2, ffn_hidden_size=96, add_qkv_bias=True, **kwargs):
+        self.padded_vocab_size, self.hidden_size, self.num_layers = padded_vocab_size, hidden_size, num_layers
+        self.vocab_size = padded_vocab_size  # as THUDM/chatglm3-6b configuration_chatglm.py sets it
+        self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        self.multi_query_group_num, self.ffn_hidden_size = multi_query_group_num, ffn_hidden_size
+        self.add_qkv_bias = add_qkv_bias
+        super().__init__(**kwargs)
+'''
+
+# Written for this test with the parameter shapes and the attention data flow of modeling_chatglm.py (not
+# its code): fused query_key_value with grouped K/V, rope on half of each head, K/V expanded to every head
+# before SDPA, fused swiglu dense_h_to_4h, RMSNorm weights, untied output_layer.
+_GLM_MODELING = '''
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .configuration_tiny_glm import TinyGLMConfig
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        return (self.weight * (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5))).to(x.dtype)
+
+
+def rope_half(x):
+    s, d = x.shape[1], x.shape[-1] // 2
+    angle = torch.arange(s, dtype=torch.float32)[:, None] * torch.arange(1, d // 2 + 1, dtype=torch.float32)
+    cos, sin = angle.cos().to(x.dtype)[None, :, None], angle.sin().to(x.dtype)[None, :, None]
+    rot, rest = x[..., :d], x[..., d:]
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    return torch.cat((torch.stack((a * cos - b * sin, b * cos + a * sin), -1).flatten(-2), rest), -1)
+
+
+class Attn(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.groups, self.d = c.num_attention_heads, c.multi_query_group_num, c.kv_channels
+        self.query_key_value = torch.nn.Linear(c.hidden_size, self.d * (self.heads + 2 * self.groups),
+                                               bias=c.add_qkv_bias)
+        self.dense = torch.nn.Linear(self.d * self.heads, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.query_key_value(x).split([self.heads * self.d, self.groups * self.d, self.groups * self.d], -1)
+        q, k = rope_half(q.view(b, s, self.heads, self.d)), rope_half(k.view(b, s, self.groups, self.d))
+        v = v.view(b, s, self.groups, self.d)
+        rep = self.heads // self.groups
+        k, v = (t.unsqueeze(-2).expand(-1, -1, -1, rep, -1).contiguous().view(b, s, self.heads, self.d) for t in (k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.dense(a.transpose(1, 2).reshape(b, s, self.heads * self.d))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.dense_h_to_4h = torch.nn.Linear(c.hidden_size, 2 * c.ffn_hidden_size, bias=False)
+        self.dense_4h_to_h = torch.nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        a, b = self.dense_h_to_4h(x).chunk(2, -1)
+        return self.dense_4h_to_h(torch.nn.functional.silu(a) * b)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm, self.self_attention = Norm(c.hidden_size), Attn(c)
+        self.post_attention_layernorm, self.mlp = Norm(c.hidden_size), Mlp(c)
+
+    def forward(self, x):
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyGLMForConditionalGeneration(PreTrainedModel):
+    config_class = TinyGLMConfig
+    base_model_prefix = "transformer"
+    _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.word_embeddings = torch.nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.final_layernorm = Norm(config.hidden_size)
+        self.output_layer = torch.nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.word_embeddings
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        x = self.word_embeddings(input_ids)
+        for block in self.layers:
+            x = block(x)
+        logits = self.output_layer(self.final_layernorm(x))
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+'''
+
+
+def test_trust_remote_code_traces_a_chatglm_folder_and_agrees_with_the_mapping(tmp_path):
+    pytest.importorskip("torch")
+    from memkit.estimate.memory import estimate_memory
+    from memkit.plan.plan import TrainingPlan
+    from memkit.spec.hardware import Hardware, find_gpu
+
+    folder = tmp_path / f"tiny_glm_{tmp_path.name}"  # dynamic modules are cached by folder name
+    folder.mkdir()
+    (folder / "configuration_tiny_glm.py").write_text(_GLM_CONFIGURATION)
+    (folder / "modeling_tiny_glm.py").write_text(_GLM_MODELING)
+    config = {**_config("chatglm3-6b"), "architectures": ["TinyGLMForConditionalGeneration"], "auto_map": {
+        "AutoConfig": "configuration_tiny_glm.TinyGLMConfig",
+        "AutoModelForCausalLM": "modeling_tiny_glm.TinyGLMForConditionalGeneration"},
+        "padded_vocab_size": 1000, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "kv_channels": 16,
+        "multi_query_group_num": 2, "ffn_hidden_size": 96, "seq_length": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    mapped = load_model_spec(str(folder))
+    trusted = load_model_spec(str(folder), trust_remote_code=True)
+    assert not mapped.traced and trusted.traced
+    assert trusted.num_params == mapped.num_params == chatglm_params(64, 2, 4, 16, 2, 96, 1000)
+    plan = TrainingPlan(engine="torch", precision="fp32", micro_batch_size=2, seq_len=64)
+    cpu = Hardware(gpu=find_gpu("a100-80gb"), num_gpus_per_node=1)
+    traced = estimate_memory(trusted, plan, cpu, device="cpu")
+    hand = estimate_memory(mapped, plan, cpu, device="cpu")
+    # the same weights and states either way; activations from the trace of the folder's code vs the hand tape
+    for part in ("weights", "optimizer_states", "logits_and_loss"):
+        assert traced.components[part] == hand.components[part]
+    assert not any("Llama-style" in a for a in trusted.approximations)
