@@ -143,7 +143,7 @@ def _sample(steps: list[int], limit: int) -> list[int]:
 
 
 def step_orders(lengths: list[int], *, micro_batch: int, seq_len: int, padding: str = "longest",
-                multiple: int = 64, orders: int = None) -> list[list[int]]:
+                multiple: int = 64, orders: int | None = None) -> list[list[int]]:
     """The epoch's padded step lengths under `orders` (default ORDERS) seeded shuffles (step_lengths
     with seeds 0, 1, ...), for estimate_varlen(..., orders=...): one order where padding gives every
     step the same shape (seq-len, packed), so that the order cannot matter."""
