@@ -714,13 +714,31 @@ def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
     hit = ev.memo.bounds.get(s)
     if hit is not None and hit[0] == micros:
         return hit[1]
-    if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
-        none = s.with_(checkpointing="none")
-        bound = min(ev.speed_at(none, m) for m in micros)
-    else:
-        bound = min(ev.speed_at(s, m) for m in micros)
+    # a partial-checkpointing plan can be as fast as no checkpointing
+    bound = _fastest(ev, s.with_(checkpointing="none") if _tries_partial(ev, s) else s, micros)
     ev.memo.bounds[s] = (micros, bound)
     return bound
+
+
+def _fastest(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
+    """min(ev.speed_at(s, m) for m in micros), pricing only the micro-batches that can hold it when
+    `s` has a dominator (_dominators: at every micro-batch its step time is at most s's): the
+    leanest one, `root`, is priced at all of them, and s's own times are read in ascending order
+    of root's, up to the first micro-batch whose root time is no less than the least s time found
+    -- every later one has s time >= root time >= that least one, so the minimum is exact."""
+    doms = ev.memo.dominators.get(s)
+    if doms is None:
+        doms = ev.memo.dominators[s] = _dominators(s)
+    if not doms:
+        return min(ev.speed_at(s, m) for m in micros)
+    root = doms[-1]  # s without activation offload, with overlap_comm on (ZeRO-1/2): below every other
+    floors = sorted((ev.speed_at(root, m), m) for m in micros)
+    best = float("inf")
+    for floor, m in floors:
+        if floor >= best:
+            break
+        best = min(best, ev.speed_at(s, m))
+    return best
 
 
 def _dominators(s: TrainingPlan) -> list[TrainingPlan]:
