@@ -921,11 +921,13 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     def key(j: int, k: int) -> tuple[float, int]:
         return ev.speed(at(j, k)).step_time_s, rank[j]
 
+    lean = _lean_keys(ev, s, micros, rank)
+
     def smallest_k(j: int, beat: tuple[float, int]) -> int | None:
         """The bisection's K at micro index j, or None once no K it can end on has a key below `beat`."""
         k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
         while k_lo < k_hi:
-            if not any(key(j, k) < beat for k in range(k_lo, k_hi + 1)):
+            if not any(lean(j, k) < beat and key(j, k) < beat for k in range(k_lo, k_hi + 1)):
                 return None
             mid = (k_lo + k_hi) // 2
             if ev.fails(at(j, mid)):
@@ -953,6 +955,26 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
         if k is not None and (not known or key(j, k) < best_key):  # unknown: k's key is <= spec
             best, best_j, best_key, known = at(j, k), j, key(j, k), True
     return best, best_j
+
+
+def _lean_keys(ev: _Evaluator, s: TrainingPlan, micros, rank: dict[int, int]):
+    """For _partial_checkpointing: a lower bound of key(j, k), free to read: the key of s's lean
+    dominator (_dominators: the same plan without activation offload, with overlap_comm on) at the
+    same micro-batch and K where its step time is already priced (facts (c) and (d) hold at a
+    partial K too: tests/unit/test_planner_assumptions.py), else -inf. A K whose lower bound is not
+    below the key to beat cannot beat it, so its own step time is not priced."""
+    doms = ev.memo.dominators.get(s)
+    if doms is None:
+        doms = ev.memo.dominators[s] = _dominators(s)
+    if not doms:
+        return lambda j, k: (float("-inf"), 0)
+    root, num_blocks, speeds = doms[-1], ev.request.model.total_layers, ev.memo.speeds
+
+    def lean(j: int, k: int) -> tuple[float, int]:
+        base = with_micro(root, micros[j])
+        hit = speeds.get(base if k == num_blocks else base.with_(checkpointing=str(k)))
+        return (float("-inf"), 0) if hit is None else (hit.step_time_s, rank[j])
+    return lean
 
 
 def _search_memory(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier):
