@@ -914,9 +914,14 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     order = sorted(range(lo + 1), key=no_recompute.__getitem__)
     rank = {j: r for r, j in enumerate(order)}  # ties between equal step times go to the earlier
 
+    plans: dict[tuple[int, int], TrainingPlan] = {}  # each derived once: bisection and keys re-read them
+
     def at(j: int, k: int) -> TrainingPlan:
-        base = with_micro(s, micros[j])
-        return base if k == num_blocks else base.with_(checkpointing=str(k))
+        hit = plans.get((j, k))
+        if hit is None:
+            base = with_micro(s, micros[j])
+            hit = plans[j, k] = base if k == num_blocks else base.with_(checkpointing=str(k))
+        return hit
 
     def key(j: int, k: int) -> tuple[float, int]:
         return ev.speed(at(j, k)).step_time_s, rank[j]
@@ -969,10 +974,14 @@ def _lean_keys(ev: _Evaluator, s: TrainingPlan, micros, rank: dict[int, int]):
     if not doms:
         return lambda j, k: (float("-inf"), 0)
     root, num_blocks, speeds = doms[-1], ev.request.model.total_layers, ev.memo.speeds
+    plans: dict[tuple[int, int], TrainingPlan] = {}
 
     def lean(j: int, k: int) -> tuple[float, int]:
-        base = with_micro(root, micros[j])
-        hit = speeds.get(base if k == num_blocks else base.with_(checkpointing=str(k)))
+        plan = plans.get((j, k))
+        if plan is None:
+            base = with_micro(root, micros[j])
+            plan = plans[j, k] = base if k == num_blocks else base.with_(checkpointing=str(k))
+        hit = speeds.get(plan)
         return (float("-inf"), 0) if hit is None else (hit.step_time_s, rank[j])
     return lean
 
