@@ -107,6 +107,8 @@ class SearchResult:
     num_memory_estimates: int
     split_reason: str = ""
     """Why the chosen plan splits the model (tp or pp > 1); '' when it does not."""
+    num_step_times: int = 0
+    """Step-time estimates made (plans priced by estimate_step_time, each once: _Evaluator.speed)."""
 
 
 class NoPlanFits(NoFeasiblePlan):
@@ -408,7 +410,8 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                                        earlier=tier_rejected)
             result = SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
                                   rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
-                                  num_memory_estimates=ev.num_calls, split_reason=reason)
+                                  num_memory_estimates=ev.num_calls, split_reason=reason,
+                                  num_step_times=len(ev.memo.speeds))
             if tier.name != QUANTIZED_TIER and tier_list[-1].name == QUANTIZED_TIER and _offloads(chosen.plan):
                 result = _quantized_instead(ev, tier_list[-1], [lay for lay in lays if not _is_split(lay)],
                                             result, keep=num_alternatives + 2, notes=request_notes) or result
@@ -444,7 +447,7 @@ def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResu
     return replace(offloaded, chosen=chosen,
                    alternatives=tuple([offloaded.chosen] + _distinct(found[1:], chosen, len(offloaded.alternatives))),
                    rejected=(), notes=tuple(notes), num_structures=offloaded.num_structures + len(structs),
-                   num_memory_estimates=ev.num_calls, split_reason="")
+                   num_memory_estimates=ev.num_calls, split_reason="", num_step_times=len(ev.memo.speeds))
 
 
 def quantized_note(plan: TrainingPlan, offloaded: Candidate | None) -> str:
