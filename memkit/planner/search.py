@@ -729,9 +729,7 @@ def _fastest(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
     leanest one, `root`, is priced at all of them, and s's own times are read in ascending order
     of root's, up to the first micro-batch whose root time is no less than the least s time found
     -- every later one has s time >= root time >= that least one, so the minimum is exact."""
-    doms = ev.memo.dominators.get(s)
-    if doms is None:
-        doms = ev.memo.dominators[s] = _dominators(s)
+    doms = _dominators_of(ev, s)
     if not doms:
         return min(ev.speed_at(s, m) for m in micros)
     root = doms[-1]  # s without activation offload, with overlap_comm on (ZeRO-1/2): below every other
@@ -766,6 +764,14 @@ def _dominators(s: TrainingPlan) -> list[TrainingPlan]:
     return out
 
 
+def _dominators_of(ev: _Evaluator, s: TrainingPlan) -> list[TrainingPlan]:
+    """_dominators(s), derived once per request (_Memo.dominators)."""
+    hit = ev.memo.dominators.get(s)
+    if hit is None:
+        hit = ev.memo.dominators[s] = _dominators(s)
+    return hit
+
+
 def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
     """(bound, index, structure, micro-batches) in ascending (bound, index) order, as a generator,
     computing a bound only when the visit may reach it.
@@ -783,9 +789,7 @@ def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        doms = ev.memo.dominators.get(s)
-        if doms is None:
-            doms = ev.memo.dominators[s] = _dominators(s)
+        doms = _dominators_of(ev, s)
         if any(d in present for d in doms):
             waiting.append((index, s, micros, doms))
             continue
@@ -922,8 +926,7 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     def at(j: int, k: int) -> TrainingPlan:
         hit = plans.get((j, k))
         if hit is None:
-            base = with_micro(s, micros[j])
-            hit = plans[j, k] = base if k == num_blocks else base.with_(checkpointing=str(k))
+            hit = plans[j, k] = _k_plan(s, micros[j], k, num_blocks)
         return hit
 
     def key(j: int, k: int) -> tuple[float, int]:
@@ -965,15 +968,19 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     return best, best_j
 
 
+def _k_plan(s: TrainingPlan, micro: int, k: int, num_blocks: int) -> TrainingPlan:
+    """Structure `s` at `micro` with its first k of num_blocks blocks checkpointed (k = all: full)."""
+    base = with_micro(s, micro)
+    return base if k == num_blocks else base.with_(checkpointing=str(k))
+
+
 def _lean_keys(ev: _Evaluator, s: TrainingPlan, micros, rank: dict[int, int]):
     """For _partial_checkpointing: a lower bound of key(j, k), free to read: the key of s's lean
     dominator (_dominators: the same plan without activation offload, with overlap_comm on) at the
     same micro-batch and K where its step time is already priced (facts (c) and (d) hold at a
     partial K too: tests/unit/test_planner_assumptions.py), else -inf. A K whose lower bound is not
     below the key to beat cannot beat it, so its own step time is not priced."""
-    doms = ev.memo.dominators.get(s)
-    if doms is None:
-        doms = ev.memo.dominators[s] = _dominators(s)
+    doms = _dominators_of(ev, s)
     if not doms:
         return lambda j, k: (float("-inf"), 0)
     root, num_blocks, speeds = doms[-1], ev.request.model.total_layers, ev.memo.speeds
@@ -982,8 +989,7 @@ def _lean_keys(ev: _Evaluator, s: TrainingPlan, micros, rank: dict[int, int]):
     def lean(j: int, k: int) -> tuple[float, int]:
         plan = plans.get((j, k))
         if plan is None:
-            base = with_micro(root, micros[j])
-            plan = plans[j, k] = base if k == num_blocks else base.with_(checkpointing=str(k))
+            plan = plans[j, k] = _k_plan(root, micros[j], k, num_blocks)
         hit = speeds.get(plan)
         return (float("-inf"), 0) if hit is None else (hit.step_time_s, rank[j])
     return lean
