@@ -4,7 +4,8 @@ runs for the same question). Prints a table; asserts nothing (tests never time t
     python benchmarks/search_speed.py [--repeat 5]
 
 Per row: the request, plan shapes in the space, memory estimates the branch-and-bound search
-actually made, median process CPU seconds and wall time of the whole search (CPU is what the
+actually made, step-time estimates it made (plans priced; the machine-independent half of the cost
+beside the memory estimates), median process CPU seconds and wall time of the whole search (CPU is what the
 search costs; wall also counts whatever else the machine runs), and the plan it picked. Imports
 are paid before the table (one untimed search), so CPU is the search alone; each timed search
 starts with the step-time kernel cache empty (estimate/kernels.py gemm_time_s), as `memkit suggest` does.
@@ -56,7 +57,7 @@ def run_case(case, repeat: int) -> list[str]:
                                         host_ram_bytes_per_node=host_gib * GIB))
     times, cpu = [], []
     outcome = ""
-    shapes = estimates = 0
+    shapes = estimates = step_times = 0
     for _ in range(repeat):
         _GEMM_CACHE.clear()
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -64,14 +65,15 @@ def run_case(case, repeat: int) -> list[str]:
             result = search(request)
             outcome = (f"{result.chosen.label} ({result.chosen.memory.nvidia_smi_peak_bytes / GIB:.1f} GiB, "
                        f"{result.chosen.speed.tokens_per_s:,.0f} tok/s)")
-            shapes, estimates = result.num_structures, result.num_memory_estimates
+            shapes, estimates, step_times = result.num_structures, result.num_memory_estimates, result.num_step_times
         except NoPlanFits as exc:
             outcome = f"no plan fits ({len(exc.misses)} nearest misses)"
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     layout = "tp=1 pp=1" if layout == "dp" else layout
     return [f"{model_name} {nodes}x{per_node} {gpu}", f"{batch}x{seq}", layout, str(shapes or "-"),
-            str(estimates or "-"), f"{statistics.median(cpu):.2f} s", f"{statistics.median(times):.2f} s", outcome]
+            str(estimates or "-"), str(step_times or "-"), f"{statistics.median(cpu):.2f} s",
+            f"{statistics.median(times):.2f} s", outcome]
 
 
 def main(argv=None) -> int:
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
 
     run_case(("llama-3.2-1b", "rtx-4090", 1, 1, 8, 1024, "dp", 64), 1)  # the lazy imports, untimed
     rows = [run_case(case, args.repeat) for case in CASES]
-    print(format_table(["request (nodes x GPUs)", "batch x seq", "layout", "shapes", "estimates", "CPU",
-                        "wall", "chosen"], rows, right={3, 4, 5, 6}))
+    print(format_table(["request (nodes x GPUs)", "batch x seq", "layout", "shapes", "estimates", "step times",
+                        "CPU", "wall", "chosen"], rows, right={3, 4, 5, 6, 7}))
     return 0
 
 

@@ -758,12 +758,15 @@ def score(case: Case) -> Outcome:
 def _varlen(case: Case):
     """The case's run through the variable-length replay, its batches padded to their longest sample
     (the Trainer's collators; ms-swift data_collate_fn pads to the batch's longest), on the
-    allocator its plan states -- what `memkit estimate --lengths` prints for that data."""
-    from memkit.estimate.varlen import estimate_varlen, step_lengths
+    allocator its plan states: the median of varlen.ORDERS seeded epoch orders (step_orders), the
+    sources' runs being one random order each (transformers Trainer RandomSampler; ms-swift 1.5
+    SwiftMixin._get_train_sampler returns it when train_sampler_random, which SftArguments sets to
+    `not test_oom_error`, True by default)."""
+    from memkit.estimate.varlen import estimate_varlen, step_orders
 
-    steps = step_lengths(list(case.sample_lengths), micro_batch=case.plan.micro_batch_size,
+    orders = step_orders(list(case.sample_lengths), micro_batch=case.plan.micro_batch_size,
                          seq_len=case.plan.seq_len)
-    return estimate_varlen(case.model, case.plan, case.hardware, steps,
+    return estimate_varlen(case.model, case.plan, case.hardware, orders[0], orders=tuple(orders[1:]),
                            expandable_segments=case.plan.alloc_conf == "expandable", stack=case.stack)
 
 

@@ -67,6 +67,7 @@ class ThroughputCase:
     """Bytes per gradient element as the source's framework reduces it, where that is not the
     gradient's dtype (_reduce_itemsize)."""
     backward_prefetch: str = "pre"
+    """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
     compiled: bool = False
     """The run wraps the model in torch.compile (the record's `compile`)."""
     lora_adapter_dtype: str | None = None
@@ -81,7 +82,8 @@ class ThroughputCase:
     """The record's chunked loss keeps the chunks' logits (_chunked_loss_saves_logits)."""
     eager_fp32_rope: bool = False
     """The run's rotary embedding is torchtune's fp32 eager one (_eager_fp32_rope)."""
-    """torch FSDP's BackwardPrefetch as the source's framework sets it (_backward_prefetch)."""
+    no_sync_step: bool = False
+    """Each timed step is one no_sync() micro-batch and nothing more (_vectorlm_no_sync)."""
     approx: tuple[str, ...] = ()
     skip_reason: str = ""
     mfu_reported: float | None = None
@@ -115,6 +117,9 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
         return ThroughputCase(summary="-", skip_reason=skip, **base)
     model = _model(record, configs_dir, approx)
     plans, hardware = _plans(record, model, approx)
+    no_sync = _vectorlm_no_sync(record)
+    if no_sync:   # the timed unit is one micro-batch: a plan of one
+        plans = tuple(replace(p, grad_accum=1) for p in plans)
     stack = _HOLDOUT_STACKS.get(source) or _stack(record, approx)
     return ThroughputCase(summary=_summary(plans[0], record), model=model, plans=plans, hardware=hardware,
                           stack=stack, reduce_itemsize=_reduce_itemsize(record),
@@ -124,8 +129,17 @@ def map_record(record: dict, *, configs_dir: Path) -> ThroughputCase:
                           hf_checkpointing=_hf_trainer(record),
                           fused_optimizer="fused=true" in (record.get("optimizer_raw") or "").lower().replace(" ", ""),
                           chunked_loss_saves_logits=_chunked_loss_saves_logits(record),
-                          eager_fp32_rope=_eager_fp32_rope(record),
-                          approx=tuple(approx), **base)
+                          eager_fp32_rope=_eager_fp32_rope(record), no_sync_step=no_sync, approx=tuple(approx), **base)
+
+
+def _vectorlm_no_sync(record: dict) -> bool:
+    """VectorLM's profiling/benchmark.py times `trainer.train_step(batch, epoch)` alone and never
+    calls Trainer.step(), the only place tr_step advances (vectorlm/trainer.py @ 9045f08), so
+    tr_step stays 0 and train_step's test `(self.tr_step + 1) % self.gas != self.gas - 1` (1 != 3
+    at gradient_accumulation_steps 4) holds at every step: each timed step is a forward and
+    backward inside `self.model.no_sync()` plus `clip_grad_norm_(1)`, with no gradient reduction and
+    no optimizer step (estimate_step_time no_sync_step)."""
+    return record["source_id"] == "vectorlm_reference_throughput"
 
 
 def _backward_prefetch(record: dict) -> str:
@@ -153,6 +167,20 @@ def _eager_fp32_rope(record: dict) -> bool:
     and @ 30b8519e8 for the 2024-09 table), which casts x.float() and runs the rotation op by op like
     RotaryPositionalEmbeddings (torchtune/models/llama3_1/_position_embeddings.py forward)."""
     return record["source_id"] == "torchtune_readme"
+
+
+def _flex_document_mask(record: dict) -> bool:
+    """torchtune's packed rows attend through FlexAttention with a block-causal BlockMask per
+    document: padded_collate_packed builds packed_block_causal_mask (torchtune/data/_collate.py),
+    a BlockMask when _SUPPORTS_FLEX_ATTENTION (torch >= 2.5 on sm75+, torchtune/utils/_import_guard.py
+    @ 30b8519e8 and 1814feb17), and MultiHeadAttention then calls the compiled flex_attention
+    whatever the recipe's `compile` (torchtune/modules/attention_utils.py _sdpa_or_flex_attention:
+    flex_attention_compiled = torch.compile(flex_attention)). FlexAttention skips the 128 x 128
+    blocks the mask leaves empty, so its cost follows the documents' lengths, which the README
+    does not give; memkit prices full causal attention over the pack (an upper bound). Packed =
+    every torchtune row of fixed length (the records' notes: the 3B baseline and the 8B rows,
+    recorded unpacked, vary in length)."""
+    return record["source_id"] == "torchtune_readme" and not record.get("length_varies")
 
 
 def _hf_trainer(record: dict) -> bool:
@@ -275,6 +303,9 @@ def _plans(record: dict, model: ModelSpec, approx: list[str]) -> tuple[tuple[Tra
     attention = _attention(record)
     if record.get("compile"):
         approx.append("torch.compile: fused norms priced, Inductor's other fusions priced as eager kernels")
+    if _flex_document_mask(record):
+        approx.append("packed: FlexAttention over a per-document block-causal BlockMask priced as full causal "
+                      "SDPA (the packs' document lengths are unpublished)")
     if any("async tp" in e.lower() for e in record.get("extras", [])):
         approx.append("async TP priced as synchronous TP")
     lora_kw = {}
@@ -370,7 +401,8 @@ def score(case: ThroughputCase) -> ThroughputOutcome:
                                    offload_streams=case.offload_streams, hf_checkpointing=case.hf_checkpointing,
                                    fused_optimizer=case.fused_optimizer,
                                    chunked_loss_saves_logits=case.chunked_loss_saves_logits,
-                                   eager_fp32_rope=case.eager_fp32_rope)
+                                   eager_fp32_rope=case.eager_fp32_rope,
+                                   no_sync_step=case.no_sync_step)
                 for p in case.plans]
     except MemkitError as exc:
         return ThroughputOutcome(case=case, error=str(exc))

@@ -126,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _varlen(args, model, plan, hardware, stack) -> dict | None:
     """With --lengths or --data: the run's steps at their padded lengths, replayed with and without
-    expandable segments (estimate/varlen.py)."""
+    expandable segments, the median of varlen.ORDERS seeded epoch orders (estimate/varlen.py)."""
     if not (args.lengths or args.data):
         return None
     from memkit.errors import MemkitError
-    from memkit.estimate.varlen import estimate_varlen, padding_waste, parse_lengths, step_lengths
+    from memkit.estimate.varlen import estimate_varlen, padding_waste, parse_lengths, step_orders
 
     if args.lengths and args.data:
         raise MemkitError("--lengths and --data both given; use one")
@@ -138,19 +138,21 @@ def _varlen(args, model, plan, hardware, stack) -> dict | None:
         lengths, where = parse_lengths(args.lengths), "--lengths"
     else:
         lengths, where = data_lengths(args.data, args.model, model.vocab_size), f"--data {args.data}"
-    steps = step_lengths(lengths, micro_batch=plan.micro_batch_size, seq_len=plan.seq_len,
+    orders = step_orders(lengths, micro_batch=plan.micro_batch_size, seq_len=plan.seq_len,
                          padding=args.padding, multiple=args.pad_multiple)
+    steps = orders[0]
     out = {"source": where, "samples": len(lengths), "padding": args.padding, "steps": len(steps),
            "longest_sample": max(lengths), "truncated_samples": sum(n > plan.seq_len for n in lengths),
            "padding_waste": round(padding_waste(lengths, steps, micro_batch=plan.micro_batch_size,
                                                 seq_len=plan.seq_len), 4)}
     for expandable in (False, True):
-        v = estimate_varlen(model, plan, hardware, steps, expandable_segments=expandable, device=args.device,
-                            stack=stack)
+        v = estimate_varlen(model, plan, hardware, steps, orders=tuple(orders[1:]), expandable_segments=expandable,
+                            device=args.device, stack=stack)
         out["expandable_segments" if expandable else "default_segments"] = {
             "allocated_peak_bytes": v.allocated_peak_bytes, "reserved_peak_bytes": v.reserved_peak_bytes,
             "nvidia_smi_peak_bytes": v.nvidia_smi_peak_bytes, "replayed_steps": v.num_steps,
-            "distinct_lengths": len(v.lengths), "single_shape_reserved_bytes": v.single_shape_reserved_bytes}
+            "distinct_lengths": len(v.lengths), "single_shape_reserved_bytes": v.single_shape_reserved_bytes,
+            "reserved_peak_bytes_by_order": list(v.reserved_by_order)}
     return out
 
 
@@ -189,6 +191,11 @@ def render_varlen(v: dict) -> str:
                      f"{r['nvidia_smi_peak_bytes'] / gib:6.2f} GiB ({r['replayed_steps']} steps replayed, "
                      f"{r['distinct_lengths']} lengths; one longest-shape step alone reserves "
                      f"{r['single_shape_reserved_bytes'] / gib:.2f} GiB)")
+        spread = r.get("reserved_peak_bytes_by_order") or []
+        if len(spread) > 1 and min(spread) != max(spread):
+            lines.append(f"  {'':<26} the median of {len(spread)} shuffled orders: reserved "
+                         f"{min(spread) / gib:.2f}-{max(spread) / gib:.2f} GiB across them (the cache's growth "
+                         "depends on when the longest steps come)")
     return "\n".join(lines)
 
 

@@ -26,17 +26,26 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
     key = -1  # the last key handed out (keys count up from 0)
     live: dict[str, list[tuple[int, int]]] = {}
     total: dict[str, int] = {}
+    nonzero: dict[str, int] = {}  # the components live now (total > 0), by their rank
+    rank: dict[str, int] = {}  # the order each component was first seen in
     pos: dict[str, int] = {}
     events: list = []
     append = events.append
     for moment in moments:
         # the components that change, in a fixed order (the replay is deterministic): those seen
-        # before in the order first seen, then the moment's new ones in its own order
+        # before in the order first seen, then the moment's new ones in its own order. Only the
+        # components live now or named by the moment can change, so the scan is over those, not
+        # over every component seen so far (a variable-length replay renames each step's
+        # components by its length: estimate/varlen.py).
         get = moment.get
-        names = [n for n, v in total.items() if v != get(n, 0)]
-        names += [n for n, v in moment.items() if v and n not in total]
-        if not names:
+        for n, v in moment.items():
+            if v and n not in rank:
+                rank[n] = len(rank)
+        changed = {n for n in nonzero if get(n, 0) != total[n]}
+        changed.update(n for n, v in moment.items() if v != total.get(n, 0))
+        if not changed:
             continue
+        names = sorted(changed, key=rank.__getitem__)
         for name in names:  # frees first: a moment is the most that is live at once
             drop = total.get(name, 0) - get(name, 0)
             if drop <= 0:
@@ -54,6 +63,8 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
                 else:
                     drop -= size
             total[name] = get(name, 0)
+            if not total[name]:
+                nonzero.pop(name, None)
         for name in names:
             grow = get(name, 0) - total.get(name, 0)
             if grow <= 0:
@@ -74,4 +85,5 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
                 grow -= size
             pos[name] = i
             total[name] = moment[name]
+            nonzero[name] = rank[name]
     return events

@@ -50,6 +50,7 @@ class StepContext:
     fused_optimizer: bool = False
     chunked_loss_saves_logits: bool = False
     eager_fp32_rope: bool = False
+    no_sync_step: bool = False
 
 
 @dataclass(slots=True)
@@ -77,6 +78,10 @@ class StepTerms:
 
 class StepTechnique:
     """One technique's step-time contribution. Each method may read what earlier techniques set."""
+
+    boundary_only = False
+    """Its `exposed` terms exist only where the step ends in an optimizer step, so a no_sync
+    micro-step (StepContext.no_sync_step) skips them (throughput._exposed_terms)."""
 
     def setup(self, c: StepContext, t: StepTerms) -> None:
         """Set the switches the layer passes read (t.early_stop, t.fp32_adapters, t.recompute_share)."""
@@ -232,6 +237,8 @@ class OptimizerStep(StepTechnique):
     (OPTIMIZER_OPS_PER_TENSOR, SINGLE_TENSOR_OPTIMIZER); none when the optimizer is offloaded
     (OptimizerOffload prices the CPU step)."""
 
+    boundary_only = True
+
     def exposed(self, c, t):
         plan = c.plan
         if plan.offload_optimizer != "none":
@@ -282,7 +289,10 @@ class GradClipping(StepTechnique):
         plan = c.plan
         if plan.gradient_clipping <= 0 or plan.optimizer_in_backward or plan.offload_optimizer != "none":
             return
-        partition = _trainable_per_gpu(c.model, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+        # inside FSDP1's no_sync() the gradients are still unsharded (throughput._dp_comm no_sync):
+        # FSDP.clip_grad_norm_ reads and rescales every element on each rank
+        sharded = plan.zero_stage >= 1 and not c.no_sync_step
+        partition = _trainable_per_gpu(c.model, plan) / (plan.dp if sharded else 1)
         itemsize = 4 if plan.engine == "deepspeed" else max(_grad_bytes(plan), state_itemsize(c, t))
         t.optimizer_s += kernels.memory_time_s(c.gpu, CLIP_GRAD_PASSES * itemsize * partition)
 

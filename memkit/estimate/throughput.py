@@ -673,13 +673,13 @@ def _layer_passes(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *
 def _memo_layer_passes(gpu: GPU, part, model: ModelSpec, tokens: int, early_stop: bool, compiled: bool,
                        fp32_adapters: bool, eager_fp32_rope: bool) -> tuple[_Pass, float]:
     plan = part.plan
-    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled, fp32_adapters=fp32_adapters, eager_fp32_rope=eager_fp32_rope)
+    kw = dict(early_stop=early_stop, compiled=compiled, fp32_adapters=fp32_adapters,
+              eager_fp32_rope=eager_fp32_rope)
+    block, block_fwd = _block_pass(gpu, plan, model, model.layer_linears, tokens, **kw)
     total = block.scaled(model.num_layers)
     fwd_only = block_fwd.scaled(model.num_layers)
     if model.num_encoder_layers:
-        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, early_stop=early_stop,
-                                   compiled=compiled, fp32_adapters=fp32_adapters, eager_fp32_rope=eager_fp32_rope)
+        enc, enc_fwd = _block_pass(gpu, plan, model, model.encoder_layer_linears, tokens, **kw)
         total = total + enc.scaled(model.num_encoder_layers)
         fwd_only = fwd_only + enc_fwd.scaled(model.num_encoder_layers)
     total = (total + _head_pass(gpu, plan, model, tokens)).scaled(1.0 / plan.pp)
@@ -788,13 +788,17 @@ class _Comm:
 
 
 def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: float, bwd_s: float, *,
-             reduce_itemsize: int | None = None, backward_prefetch: str = "pre") -> _Comm:
+             reduce_itemsize: int | None = None, backward_prefetch: str = "pre", no_sync: bool = False) -> _Comm:
     """Exposed data-parallel communication. fwd_s/bwd_s: the compute windows it can hide under;
     reduce_itemsize: bytes per gradient element as reduced, where the framework reduces in another
     dtype than the gradient's; backward_prefetch: torch FSDP's BackwardPrefetch (see
-    estimate_step_time)."""
+    estimate_step_time); no_sync: a micro-step inside torch's no_sync() (estimate_step_time
+    no_sync_step), which reduces nothing: DDP skips its all-reduce, FSDP1's _post_backward_hook
+    returns before the reduce-scatter and keeps the unsharded gradient, and SHARD_GRAD_OP keeps the
+    unsharded parameters between such micro-steps (torch/distributed/fsdp/_runtime_utils.py
+    _post_backward_hook, _should_free_in_backward); FULL_SHARD still gathers forward and backward."""
     dp = plan.dp
-    if dp <= 1:
+    if dp <= 1 or (no_sync and plan.zero_stage < 3):
         return _Comm()
     link = _dp_link(plan, hardware)
     shard = plan.tp * plan.pp
@@ -806,7 +810,7 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
     # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
     ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
-    rs3 = _ring_time_s(grads, dp, link, allreduce=False, count=layers)
+    rs3 = 0.0 if no_sync else _ring_time_s(grads, dp, link, allreduce=False, count=layers)
     rs = _ring_time_s(grads, dp, link, allreduce=False, count=trainable / plan.reduce_bucket_size)
     ar = _ring_time_s(grads, dp, link, allreduce=True, count=trainable / plan.reduce_bucket_size)
     ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
@@ -920,7 +924,8 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
                        backward_prefetch: str = "pre", compiled: bool = False,
                        lora_adapter_dtype: str | None = None, offload_streams: bool = False,
                        hf_checkpointing: bool = False, fused_optimizer: bool = False,
-                       chunked_loss_saves_logits: bool = False, eager_fp32_rope: bool = False) -> StepTimeEstimate:
+                       chunked_loss_saves_logits: bool = False, eager_fp32_rope: bool = False,
+                       no_sync_step: bool = False) -> StepTimeEstimate:
     """`stack`: the versions the run uses (spec/stack.py); None = current behaviour.
     `reduce_itemsize`: bytes per gradient element as data parallelism reduces it, for runs whose
     framework reduces in another dtype than the gradient's (FSDP MixedPrecision reduce_dtype=float32
@@ -944,9 +949,10 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     `chunked_loss_saves_logits`: autograd keeps each chunk's logits, no head recompute (torchtune's
     CEWithChunkedOutputLoss, torchtune/modules/transformer.py @ 1814feb17; step_terms.Loss).
     `eager_fp32_rope`: rotary upcasts q, k to fp32 op by op unless `compiled` (torchtune's
-    RotaryPositionalEmbeddings, eager_fp32_rope_bytes); memkit's runs use transformers' in 16 bits."""
-    if backward_prefetch not in ("pre", "post"):
-        raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
+    RotaryPositionalEmbeddings, eager_fp32_rope_bytes); memkit's runs use transformers' in 16 bits.
+    `no_sync_step`: the step timed is one micro-batch inside torch's no_sync() and its gradient
+    clipping, nothing else (_check_switches): no reduction, no optimizer step."""
+    _check_switches(plan, backward_prefetch, no_sync_step)
     from memkit.estimate.step_terms import StepContext, StepTerms
 
     gpu = hardware.gpu
@@ -955,26 +961,20 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
                     lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
-                    chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope)
+                    chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope,
+                    no_sync_step=no_sync_step)
     t = StepTerms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s
     t_gpu = t_fwd + t_bwd + t_recompute
     ops = int(t.compute.num_ops * (3 + t.recompute_share) / 3)
-    # ZeRO-2 handles every gradient in each micro-step's backward, ZeRO-1 once at the boundary
-    # (zero12_grad_handling): on the compute stream, and its ops are host work like any other.
-    grad_copy_s, grad_ops = zero12_grad_handling(plan, model, gpu)
-    micro_copy_s, boundary_copy_s = (grad_copy_s, 0.0) if plan.zero_stage == 2 else (0.0, grad_copy_s)
-    if plan.zero_stage == 2:
-        t_gpu, ops = t_gpu + micro_copy_s, ops + grad_ops
-    else:
-        boundary_copy_s = max(grad_copy_s, grad_ops * OP_DISPATCH_S)
+    micro_copy_s, copy_ops, boundary_copy_s = _zero12_copies(plan, model, gpu)
+    t_gpu, ops = t_gpu + micro_copy_s, ops + copy_ops
     t_host = ops * OP_DISPATCH_S
 
     dp = _dp_comm(plan, model, hardware, t_fwd, t_bwd + t_recompute, reduce_itemsize=reduce_itemsize,
-                  backward_prefetch=backward_prefetch)
-    for technique in _step_techniques():   # offload traffic, the optimizer step, the pipeline
-        technique.exposed(c, t)
+                  backward_prefetch=backward_prefetch, no_sync=no_sync_step)
+    _exposed_terms(c, t)
     t_tp = _tp_comm_s(plan, model, hardware, tokens)
     t_zero3 = _zero3_overhead_s(plan, model, stack)
     host_excess = max(0.0, t_host - t_gpu)
@@ -995,6 +995,39 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
         "host_overhead": (host_excess + t_zero3) * m + STEP_OVERHEAD_S,
     }
     return _with_flops(model, plan, gpu, step=step, t_gpu=t_gpu, tokens=tokens, components=components)
+
+
+def _check_switches(plan: TrainingPlan, backward_prefetch: str, no_sync_step: bool) -> None:
+    """estimate_step_time's run switches that only some plans can have. no_sync_step: torch's
+    no_sync() is DDP's / FSDP1's (torch/nn/parallel/distributed.py, torch/distributed/fsdp/
+    fully_sharded_data_parallel.py), and a step with no optimizer step has none to offload or to
+    run in backward."""
+    if backward_prefetch not in ("pre", "post"):
+        raise ValueError(f"backward_prefetch {backward_prefetch!r}: expected 'pre' or 'post'")
+    if no_sync_step and (plan.engine != "torch" or plan.optimizer_in_backward or plan.pp > 1
+                         or plan.offload_optimizer != "none" or plan.offload_params != "none"):
+        raise ValueError("no_sync_step: a torch-engine (DDP / FSDP) plan without pipeline, offload or "
+                         "optimizer in backward")
+
+
+def _zero12_copies(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tuple[float, int, float]:
+    """(GPU seconds per micro-step, ops per micro-step, seconds at the boundary) of ZeRO-1/2's
+    gradient copies (zero12_grad_handling): ZeRO-2 handles every gradient in each micro-step's
+    backward, ZeRO-1 once at the boundary; on the compute stream, and its ops are host work like
+    any other."""
+    grad_copy_s, grad_ops = zero12_grad_handling(plan, model, gpu)
+    if plan.zero_stage == 2:
+        return grad_copy_s, grad_ops, 0.0
+    return 0.0, 0, max(grad_copy_s, grad_ops * OP_DISPATCH_S)
+
+
+def _exposed_terms(c: "StepContext", t: "StepTerms") -> None:
+    """Each technique's time outside the compute (offload traffic, the optimizer step, the
+    pipeline), in STEP_TECHNIQUES' order; a no_sync micro-step (StepContext.no_sync_step) skips the
+    techniques that run only at an optimizer step (StepTechnique.boundary_only)."""
+    for technique in _step_techniques():
+        if not (c.no_sync_step and technique.boundary_only):
+            technique.exposed(c, t)
 
 
 def _tp_comm_s(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens: int) -> float:

@@ -41,6 +41,18 @@ MAX_STEPS = 256
 """Steps replayed at most (a seeded sample of the epoch's batches, in their order): the cache's
 state depends on the sequence of shapes, and a few hundred steps show every length class many
 times over while keeping a replay under a second."""
+ORDERS = 5
+"""Seeded epoch orders step_orders draws (seeds 0-4) for estimate_varlen to replay, its figure being
+their median by reserved peak. A run is one shuffle (the Trainer's RandomSampler draws a fresh
+permutation), and what the cache holds at its end depends on that order: every step longer than all
+before it (a record) cudaMallocs segments for its largest tensors while the earlier, smaller ones
+stay cached (CUDACachingAllocator.cpp: free blocks return to the driver only in
+release_cached_blocks), and how many records come near the longest step is chance (a random
+permutation of n distinct lengths has H_n = 1 + 1/2 + ... + 1/n records on average, the i-th
+longest step being one with probability 1/i, so H_5 = 2.3 of them among the five longest steps).
+One order's replay is one draw of that; the median of five is a steadier central figure at five
+replays' cost, the distinct lengths priced once for all five (odd, so the figure is one replay's
+own)."""
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -109,6 +121,8 @@ class VarlenEstimate:
     single_shape_reserved_bytes: int
     """memory.py's reserved peak for the longest step alone (one shape, the fixed-shape estimate,
     default segments)."""
+    reserved_by_order: tuple[int, ...] = ()
+    """The reserved peak of each order replayed (estimate_varlen's `orders`), in the order given."""
 
 
 def _sample(steps: list[int], limit: int) -> list[int]:
@@ -128,11 +142,22 @@ def _sample(steps: list[int], limit: int) -> list[int]:
     return [steps[i] for i in picked]
 
 
+def step_orders(lengths: list[int], *, micro_batch: int, seq_len: int, padding: str = "longest",
+                multiple: int = 64, orders: int | None = None) -> list[list[int]]:
+    """The epoch's padded step lengths under `orders` (default ORDERS) seeded shuffles (step_lengths
+    with seeds 0, 1, ...), for estimate_varlen(..., orders=...): one order where padding gives every
+    step the same shape (seq-len, packed), so that the order cannot matter."""
+    kw = dict(micro_batch=micro_batch, seq_len=seq_len, padding=padding, multiple=multiple)
+    count = 1 if padding in ("seq-len", "packed") else (ORDERS if orders is None else orders)
+    return [step_lengths(lengths, seed=seed, **kw) for seed in range(max(1, count))]
+
+
 def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segments: bool,
-                    device: str = "cuda", stack=None) -> VarlenEstimate:
+                    device: str = "cuda", stack=None, orders: tuple[list[int], ...] = ()) -> VarlenEstimate:
     """Reserved and nvidia-smi peaks of the steps `steps` (one sequence length each) of `plan`,
-    replayed one after another through the caching allocator."""
-    from memkit.estimate.memory import SHARDED_COMPONENTS, _stage
+    replayed one after another through the caching allocator. `orders`: other orders of the same
+    epoch (step_orders); each is replayed too and the figures are those of the median order by
+    reserved peak (ORDERS says why), each order's reserved peak in `reserved_by_order`."""
     from memkit.spec.generic import task_spec
 
     if plan.pp > 1:
@@ -140,15 +165,45 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     # the task's head (a classifier's labels per sequence or per token) and an encoder-decoder's
     # decoder at --target-len (0: each step's length), as estimate_stages prices them (spec/generic.py)
     model = task_spec(model, plan)
-    steps = _sample(steps, MAX_STEPS)
+    sampled = [_sample(order, MAX_STEPS) for order in (steps, *orders)]
+    traces, single = _traces(model, plan, hardware, sorted({n for order in sampled for n in order}),
+                             expandable_segments, device, stack)
+    replays = [_replay_order(traces, order, hardware, expandable_segments, device) for order in sampled]
+    ranked = sorted(range(len(replays)), key=lambda i: (replays[i][0].reserved_peak_bytes, i))
+    pick = ranked[(len(ranked) - 1) // 2]  # the median (the lower middle one of an even count)
+    stats, outside = replays[pick]
+    order = sampled[pick]
+    longest = max(order)
+    allocated = max(stats.allocated_peak_bytes, single[longest].allocated_peak_bytes)
+    reserved = max(stats.reserved_peak_bytes, allocated)
+    return VarlenEstimate(allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
+                          nvidia_smi_peak_bytes=int(reserved + outside),
+                          expandable_segments=expandable_segments, num_steps=len(order),
+                          lengths=tuple(sorted(set(order))),
+                          single_shape_reserved_bytes=single[longest].reserved_peak_bytes,
+                          reserved_by_order=tuple(max(r.reserved_peak_bytes, allocated) for r, _ in replays))
+
+
+def _traces(model, plan, hardware, lengths: list[int], expandable_segments: bool, device: str, stack):
+    """memory.py's replay inputs (its trace) and its one-shape estimate, per step length."""
+    from memkit.estimate.memory import _stage
+
     traces: dict[int, dict] = {}
     single = {}
-    for length in sorted(set(steps)):
+    for length in lengths:
         trace: dict = {}
         shaped = replace(plan, seq_len=length, alloc_conf="expandable" if expandable_segments else "default")
         shaped.validate()
         single[length] = _stage(model, shaped, hardware, 0, device, stack, None, trace)
         traces[length] = trace
+    return traces, single
+
+
+def _replay_order(traces: dict[int, dict], steps: list[int], hardware, expandable_segments: bool, device: str):
+    """(the allocator's stats, the bytes outside it) for `steps` strung together: the first step's
+    whole timeline up to its steady step's end, then each later step's steady step at its length."""
+    from memkit.estimate.memory import SHARDED_COMPONENTS
+
     first = traces[steps[0]]
     shared = set(SHARDED_COMPONENTS) | set(first["timeline"][0]) | {"cublas_workspace"}
 
@@ -162,7 +217,8 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
         moments += [shaped_moment(m, length) for m in traces[length]["timeline"][a:b]]
     chunks: dict[str, tuple[int, ...]] = {}
     streams: dict[str, int] = {}
-    for length, trace in traces.items():
+    for length in set(steps):
+        trace = traces[length]
         for name, sizes in trace["chunks"].items():
             chunks[name if name in shared else f"{name}@{length}"] = sizes
         for name, stream in trace["streams"].items():
@@ -170,11 +226,4 @@ def estimate_varlen(model, plan, hardware, steps: list[int], *, expandable_segme
     stats = replay_on_device(moment_events(moments, chunks, streams), caching=device == "cuda",
                              expandable_segments=expandable_segments,
                              capacity=hardware.gpu.memory_bytes - first["outside"])
-    longest = max(steps)
-    allocated = max(stats.allocated_peak_bytes, single[longest].allocated_peak_bytes)
-    reserved = max(stats.reserved_peak_bytes, allocated)
-    return VarlenEstimate(allocated_peak_bytes=int(allocated), reserved_peak_bytes=int(reserved),
-                          nvidia_smi_peak_bytes=int(reserved + first["outside"]),
-                          expandable_segments=expandable_segments, num_steps=len(steps),
-                          lengths=tuple(sorted(traces)),
-                          single_shape_reserved_bytes=single[longest].reserved_peak_bytes)
+    return stats, first["outside"]

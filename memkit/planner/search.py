@@ -107,6 +107,8 @@ class SearchResult:
     num_memory_estimates: int
     split_reason: str = ""
     """Why the chosen plan splits the model (tp or pp > 1); '' when it does not."""
+    num_step_times: int = 0
+    """Step-time estimates made (plans priced by estimate_step_time, each once: _Evaluator.speed)."""
 
 
 class NoPlanFits(NoFeasiblePlan):
@@ -408,7 +410,8 @@ def _search(request: Request, *, estimator, num_alternatives: int, num_rejection
                                        earlier=tier_rejected)
             result = SearchResult(request=request, chosen=chosen, alternatives=tuple(alternatives),
                                   rejected=tuple(better), notes=tuple(notes), num_structures=num_structures,
-                                  num_memory_estimates=ev.num_calls, split_reason=reason)
+                                  num_memory_estimates=ev.num_calls, split_reason=reason,
+                                  num_step_times=len(ev.memo.speeds))
             if tier.name != QUANTIZED_TIER and tier_list[-1].name == QUANTIZED_TIER and _offloads(chosen.plan):
                 result = _quantized_instead(ev, tier_list[-1], [lay for lay in lays if not _is_split(lay)],
                                             result, keep=num_alternatives + 2, notes=request_notes) or result
@@ -444,7 +447,7 @@ def _quantized_instead(ev: "_Evaluator", tier: Tier, lays, offloaded: SearchResu
     return replace(offloaded, chosen=chosen,
                    alternatives=tuple([offloaded.chosen] + _distinct(found[1:], chosen, len(offloaded.alternatives))),
                    rejected=(), notes=tuple(notes), num_structures=offloaded.num_structures + len(structs),
-                   num_memory_estimates=ev.num_calls, split_reason="")
+                   num_memory_estimates=ev.num_calls, split_reason="", num_step_times=len(ev.memo.speeds))
 
 
 def quantized_note(plan: TrainingPlan, offloaded: Candidate | None) -> str:
@@ -714,13 +717,29 @@ def _bound(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
     hit = ev.memo.bounds.get(s)
     if hit is not None and hit[0] == micros:
         return hit[1]
-    if _tries_partial(ev, s):  # a partial-checkpointing plan can be as fast as no checkpointing
-        none = s.with_(checkpointing="none")
-        bound = min(ev.speed_at(none, m) for m in micros)
-    else:
-        bound = min(ev.speed_at(s, m) for m in micros)
+    # a partial-checkpointing plan can be as fast as no checkpointing
+    bound = _fastest(ev, s.with_(checkpointing="none") if _tries_partial(ev, s) else s, micros)
     ev.memo.bounds[s] = (micros, bound)
     return bound
+
+
+def _fastest(ev: _Evaluator, s: TrainingPlan, micros: tuple[int, ...]) -> float:
+    """min(ev.speed_at(s, m) for m in micros), pricing only the micro-batches that can hold it when
+    `s` has a dominator (_dominators: at every micro-batch its step time is at most s's): the
+    leanest one, `root`, is priced at all of them, and s's own times are read in ascending order
+    of root's, up to the first micro-batch whose root time is no less than the least s time found
+    -- every later one has s time >= root time >= that least one, so the minimum is exact."""
+    doms = _dominators_of(ev, s)
+    if not doms:
+        return min(ev.speed_at(s, m) for m in micros)
+    root = doms[-1]  # s without activation offload, with overlap_comm on (ZeRO-1/2): below every other
+    floors = sorted((ev.speed_at(root, m), m) for m in micros)
+    best = float("inf")
+    for floor, m in floors:
+        if floor >= best:
+            break
+        best = min(best, ev.speed_at(s, m))
+    return best
 
 
 def _dominators(s: TrainingPlan) -> list[TrainingPlan]:
@@ -745,6 +764,14 @@ def _dominators(s: TrainingPlan) -> list[TrainingPlan]:
     return out
 
 
+def _dominators_of(ev: _Evaluator, s: TrainingPlan) -> list[TrainingPlan]:
+    """_dominators(s), derived once per request (_Memo.dominators)."""
+    hit = ev.memo.dominators.get(s)
+    if hit is None:
+        hit = ev.memo.dominators[s] = _dominators(s)
+    return hit
+
+
 def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
     """(bound, index, structure, micro-batches) in ascending (bound, index) order, as a generator,
     computing a bound only when the visit may reach it.
@@ -762,9 +789,7 @@ def _bound_order(ev: _Evaluator, structs: list[TrainingPlan]):
         micros = backward.micro_options(s, micro_batch_options(ev.request, s.dp, s.pp))
         if not micros:  # the optimizer in backward needs the whole per-rank batch in one micro-batch
             continue
-        doms = ev.memo.dominators.get(s)
-        if doms is None:
-            doms = ev.memo.dominators[s] = _dominators(s)
+        doms = _dominators_of(ev, s)
         if any(d in present for d in doms):
             waiting.append((index, s, micros, doms))
             continue
@@ -896,18 +921,24 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
     order = sorted(range(lo + 1), key=no_recompute.__getitem__)
     rank = {j: r for r, j in enumerate(order)}  # ties between equal step times go to the earlier
 
+    plans: dict[tuple[int, int], TrainingPlan] = {}  # each derived once: bisection and keys re-read them
+
     def at(j: int, k: int) -> TrainingPlan:
-        base = with_micro(s, micros[j])
-        return base if k == num_blocks else base.with_(checkpointing=str(k))
+        hit = plans.get((j, k))
+        if hit is None:
+            hit = plans[j, k] = _k_plan(s, micros[j], k, num_blocks)
+        return hit
 
     def key(j: int, k: int) -> tuple[float, int]:
         return ev.speed(at(j, k)).step_time_s, rank[j]
+
+    lean = _lean_keys(ev, s, micros, rank)
 
     def smallest_k(j: int, beat: tuple[float, int]) -> int | None:
         """The bisection's K at micro index j, or None once no K it can end on has a key below `beat`."""
         k_lo, k_hi = 1, num_blocks          # k_hi (= full) fits; find the smallest K that fits
         while k_lo < k_hi:
-            if not any(key(j, k) < beat for k in range(k_lo, k_hi + 1)):
+            if not any(lean(j, k) < beat and key(j, k) < beat for k in range(k_lo, k_hi + 1)):
                 return None
             mid = (k_lo + k_hi) // 2
             if ev.fails(at(j, mid)):
@@ -935,6 +966,33 @@ def _partial_checkpointing(ev: _Evaluator, s: TrainingPlan, micros, lo: int, ful
         if k is not None and (not known or key(j, k) < best_key):  # unknown: k's key is <= spec
             best, best_j, best_key, known = at(j, k), j, key(j, k), True
     return best, best_j
+
+
+def _k_plan(s: TrainingPlan, micro: int, k: int, num_blocks: int) -> TrainingPlan:
+    """Structure `s` at `micro` with its first k of num_blocks blocks checkpointed (k = all: full)."""
+    base = with_micro(s, micro)
+    return base if k == num_blocks else base.with_(checkpointing=str(k))
+
+
+def _lean_keys(ev: _Evaluator, s: TrainingPlan, micros, rank: dict[int, int]):
+    """For _partial_checkpointing: a lower bound of key(j, k), free to read: the key of s's lean
+    dominator (_dominators: the same plan without activation offload, with overlap_comm on) at the
+    same micro-batch and K where its step time is already priced (facts (c) and (d) hold at a
+    partial K too: tests/unit/test_planner_assumptions.py), else -inf. A K whose lower bound is not
+    below the key to beat cannot beat it, so its own step time is not priced."""
+    doms = _dominators_of(ev, s)
+    if not doms:
+        return lambda j, k: (float("-inf"), 0)
+    root, num_blocks, speeds = doms[-1], ev.request.model.total_layers, ev.memo.speeds
+    plans: dict[tuple[int, int], TrainingPlan] = {}
+
+    def lean(j: int, k: int) -> tuple[float, int]:
+        plan = plans.get((j, k))
+        if plan is None:
+            plan = plans[j, k] = _k_plan(root, micros[j], k, num_blocks)
+        hit = speeds.get(plan)
+        return (float("-inf"), 0) if hit is None else (hit.step_time_s, rank[j])
+    return lean
 
 
 def _search_memory(ev: _Evaluator, structs: list[TrainingPlan], tier: Tier):

@@ -364,10 +364,151 @@ def _qwen1(c):
         block=Block(softmax_fp32=c.flag("softmax_in_fp32", False)))
 
 
+def _chatglm(c):
+    """ChatGLM2/ChatGLM3/GLM-4 (model_type 'chatglm', ChatGLMForConditionalGeneration; THUDM/chatglm3-6b
+    modeling_chatglm.py and configuration_chatglm.py). SelfAttention.query_key_value = Linear(H, kv_channels *
+    (heads + 2 * multi_query_group_num)) (3 * kv_channels * heads without multi_query_attention), bias =
+    add_bias_linear or add_qkv_bias; dense = Linear(kv_channels * heads, H, bias=add_bias_linear). MLP:
+    dense_h_to_4h = Linear(H, 2 * ffn_hidden_size) chunked into silu(x0) * x1 (swiglu), dense_4h_to_h =
+    Linear(ffn_hidden_size, H). GLMBlock input_layernorm, post_attention_layernorm and GLMTransformer
+    final_layernorm (post_layer_norm) are RMSNorm (weight) if rmsnorm else LayerNorm (weight + bias).
+    Embedding.word_embeddings (padded_vocab_size, H); ChatGLMModel.output_layer = Linear(H, V, bias=False),
+    never tied. RotaryEmbedding(kv_channels // 2): rope on half of each head. CoreAttention on torch 2 is SDPA
+    with K/V expanded to every head. ChatGLMConfig defaults: kv_channels 128, multi_query_group_num 1,
+    rmsnorm true, post_layer_norm true, add_bias_linear / add_qkv_bias false, seq_length 2048."""
+    if "position_encoding_2d" in c.data or "inner_hidden_size" in c.data:  # THUDM/chatglm-6b (v1) keys
+        raise MemkitError(f"{c.source}: a ChatGLM-6B (v1) config (2-D position encoding) has no mapping in memkit; "
+                          "pass --trust-remote-code with the model folder to trace its own code")
+    if c.get("pre_seq_len") is not None or c.flag("apply_residual_connection_post_layernorm", False):
+        raise MemkitError(f"{c.source}: a ChatGLM config with pre_seq_len (P-tuning prefix) or "
+                          "apply_residual_connection_post_layernorm has no mapping in memkit; pass "
+                          "--trust-remote-code with the model folder to trace its own code")
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_layers", "num_attention_heads",
+                                                "ffn_hidden_size", "padded_vocab_size")
+    hd = c.pos_int("kv_channels", 128)
+    n_kv = c.pos_int("multi_query_group_num", 1) if c.flag("multi_query_attention", False) else n_heads
+    if n_heads % n_kv:  # SelfAttention expands each group to heads // multi_query_group_num heads
+        raise MemkitError(f"{c.source}: num_attention_heads={n_heads} is not a multiple of "
+                          f"multi_query_group_num={n_kv}; fix the config")
+    bias = c.flag("add_bias_linear", False)
+    linears = (_lin("query_key_value", h, (n_heads + 2 * n_kv) * hd, bias or c.flag("add_qkv_bias", False), "qkv",
+                    "column"),
+               _lin("dense", n_heads * hd, h, bias, "o", "row"),
+               _lin("dense_h_to_4h", h, 2 * inter, bias, "gate_up", "column"),
+               _lin("dense_4h_to_h", inter, h, bias, "down", "row"))
+    rms = c.flag("rmsnorm", True)
+    norm = h if rms else 2 * h
+    final = norm if c.flag("post_layer_norm", True) else 0
+    return _common(
+        c, architecture="ChatGLMForConditionalGeneration", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.pos_int("seq_length", 2048), hidden_act="silu",
+        gated_mlp=True, norm_type="rmsnorm" if rms else "layernorm", position_embedding="rope",
+        attention_dropout=c.num("attention_dropout", 0.0), hidden_dropout=c.num("hidden_dropout", 0.0),
+        tie_word_embeddings=False, layer_linears=linears, embedding_params=vocab * h,
+        layer_params=_sum(linears) + 2 * norm, head_params=final + vocab * h,
+        # RotaryEmbedding(rotary_dim // 2) rotates half of each head; rope_ratio scales its base (GLM-4)
+        extra={"partial_rotary_factor": 0.5, "rope_ratio": c.num("rope_ratio", 1.0)},
+        # CoreAttention eager branch: softmax in fp32 when attention_softmax_in_fp32 or query-key layer scaling
+        block=Block(softmax_fp32=c.flag("attention_softmax_in_fp32", True)
+                    or c.flag("apply_query_key_layer_scaling", True)))
+
+
+def _baichuan(c):
+    """Baichuan-7B/13B and Baichuan2-7B/13B (model_type 'baichuan'; baichuan-inc/Baichuan2-13B-Chat
+    modeling_baichuan.py): BaichuanAttention.W_pack = Linear(H, 3H, bias=False), o_proj = Linear(H, H,
+    bias=False); MLP gate_proj, up_proj = Linear(H, I), down_proj = Linear(I, H), no bias, act_fn(gate) * up;
+    BaichuanLayer input_layernorm, post_attention_layernorm and BaichuanModel.norm are RMSNorm (weight);
+    embed_tokens (V, H); lm_head (Baichuan2's NormHead: a (V, H) weight, normalized in training) untied.
+    Rotary or ALiBi: vllm-project/vllm vllm/model_executor/models/baichuan.py BaichuanForCausalLM (rope when
+    hidden_size == 4096, the 7B models, else ALiBi) and BaiChuanForCausalLM (Baichuan-7B, rope). The 7B code
+    runs xformers or SDPA (fused); the ALiBi (13B) code runs a fused kernel with the ALiBi mask only when
+    xformers is installed, else matmul + mask + softmax in the scores' dtype (BaichuanAttention.forward)."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    if h % n_heads:  # BaichuanAttention.__init__ raises the same
+        raise MemkitError(f"{c.source}: hidden_size={h} is not divisible by num_attention_heads={n_heads}; "
+                          "fix the config")
+    archs = c.get("architectures", default=[]) or []
+    alibi = h != 4096 and "BaiChuanForCausalLM" not in archs
+    linears = (_lin("W_pack", h, 3 * h, False, "qkv", "column"), _lin("o_proj", h, h, False, "o", "row"))
+    linears += _gated_mlp(h, inter, False)
+    return _common(
+        c, architecture="BaichuanForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=h // n_heads, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 4096, "model_max_length"),
+        hidden_act=c.get("hidden_act", default="silu"), gated_mlp=True, norm_type="rmsnorm",
+        position_embedding="alibi" if alibi else "rope", attention_dropout=0.0, hidden_dropout=0.0,
+        tie_word_embeddings=False, layer_linears=linears, embedding_params=vocab * h,
+        layer_params=_sum(linears) + 2 * h, head_params=h + vocab * h,
+        extra={"z_loss_weight": c.num("z_loss_weight", 0.0)},
+        # the ALiBi models' attention without xformers: matmul, + mask, softmax (scores' dtype), matmul
+        block=Block(sdpa=False) if alibi else Block())
+
+
+def _internlm2(c):
+    """InternLM2 / InternLM2.5 (model_type 'internlm2', InternLM2ForCausalLM; internlm/internlm2-7b
+    modeling_internlm2.py): InternLM2Attention.wqkv = Linear(H, (heads + 2 * kv_heads) * head_dim, bias=
+    config.bias), wo = Linear(H, H, bias=config.bias), head_dim = H // heads; InternLM2MLP w1 (gate), w3 (up)
+    = Linear(H, I), w2 = Linear(I, H), no bias, w2(act(w1(x)) * w3(x)); attention_norm, ffn_norm and
+    InternLM2Model.norm are RMSNorm (weight); tok_embeddings (V, H); output = Linear(H, V, bias=False).
+    INTERNLM2_ATTENTION_CLASSES: 'eager' (repeat_kv, softmax(..., dtype=float32)) or 'flash_attention_2', as
+    config.attn_implementation says. InternLM2Config defaults: bias true, num_key_value_heads = heads,
+    attn_implementation 'eager', tie_word_embeddings false."""
+    h, n_layers, n_heads, inter, vocab = c.need("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "intermediate_size", "vocab_size")
+    if h % n_heads:  # InternLM2Attention.__init__ raises the same
+        raise MemkitError(f"{c.source}: hidden_size={h} is not divisible by num_attention_heads={n_heads}; "
+                          "fix the config")
+    n_kv, hd = c.heads(n_heads), h // n_heads
+    bias = c.flag("bias", True)
+    linears = (_lin("wqkv", h, (n_heads + 2 * n_kv) * hd, bias, "qkv", "column"), _lin("wo", h, h, bias, "o", "row"))
+    linears += _gated_mlp(h, inter, False, names=("w1", "w3", "w2"))
+    tie = c.flag("tie_word_embeddings", False)
+    flash = c.get("attn_implementation", default="eager") == "flash_attention_2"
+    return _common(
+        c, architecture="InternLM2ForCausalLM", kind="decoder", num_layers=n_layers, hidden_size=h,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=hd, intermediate_size=inter,
+        vocab_size=vocab, max_position_embeddings=c.pos_int("max_position_embeddings", 2048),
+        hidden_act=c.get("hidden_act", default="silu"), gated_mlp=True, norm_type="rmsnorm",
+        position_embedding="rope", attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=tie,
+        layer_linears=linears, embedding_params=vocab * h, layer_params=_sum(linears) + 2 * h,
+        head_params=h + (0 if tie else vocab * h),
+        # the model code has no SDPA path: eager attention unless the config asks for flash_attention_2
+        block=Block(softmax_fp32=True, sdpa=flash))
+
+
+def _internlm(c):
+    """InternLM (v1, model_type 'internlm', InternLMForCausalLM; InternLM/InternLM tools/transformers/
+    internlm_model/modeling_internlm.py): the Llama block with q/k/v/o_proj bias=config.bias and every head's
+    own K/V (InternLMAttention ignores num_key_value_heads), gate/up/down_proj without bias, RMSNorm, lm_head
+    Linear(H, V, bias=False); eager attention only, softmax(..., dtype=float32). InternLMConfig defaults:
+    bias true, tie_word_embeddings false, max_position_embeddings 2048."""
+    bias = c.flag("bias", True)
+    mha = _Cfg({**c.data, "num_key_value_heads": None}, c.source)  # InternLMAttention: k/v_proj H -> H
+    return _llama_like(mha, architecture="InternLMForCausalLM", hidden_act=c.get("hidden_act", default="silu"),
+                       tie_default=False, q_bias=bias, o_bias=bias, block=Block(softmax_fp32=True, sdpa=False))
+
+
+_WHY = "ships remote code memkit does not run"
 REMOTE_FAMILIES = {
     "qwen": (_qwen1, "a Llama-style decoder with the config's sizes (fused c_attn q/k/v with bias, SwiGLU MLP "
-                     "of intermediate_size/2 per branch, RMSNorm, untied head) because model_type 'qwen' "
-                     "(QWenLMHeadModel) ships remote code memkit does not run"),
+                     f"of intermediate_size/2 per branch, RMSNorm, untied head) because model_type 'qwen' "
+                     f"(QWenLMHeadModel) {_WHY}"),
+    "chatglm": (_chatglm, "a Llama-style decoder with the config's sizes (fused query_key_value with "
+                          "multi_query_group_num K/V heads, fused SwiGLU dense_h_to_4h, RMSNorm, untied head; "
+                          "its K/V copies expanded to every head are not priced) because model_type 'chatglm' "
+                          f"(ChatGLMForConditionalGeneration) {_WHY}"),
+    "baichuan": (_baichuan, "a Llama-style decoder with the config's sizes (fused W_pack q/k/v, SwiGLU MLP, RMSNorm, "
+                            "untied head; rope at hidden_size 4096, else ALiBi with eager attention, its ALiBi mask "
+                            "and NormHead's normalized weight copy not priced) because model_type 'baichuan' "
+                            f"(BaichuanForCausalLM) {_WHY}"),
+    "internlm": (_internlm, "a Llama-style decoder with the config's sizes (q/k/v/o_proj with config.bias, SwiGLU MLP, "
+                            "RMSNorm, untied head, eager attention) because model_type 'internlm' "
+                            f"(InternLMForCausalLM) {_WHY}"),
+    "internlm2": (_internlm2, "a Llama-style decoder with the config's sizes (fused wqkv with GQA, SwiGLU w1/w3/w2, "
+                              "RMSNorm, eager attention unless attn_implementation is flash_attention_2) because "
+                              f"model_type 'internlm2' (InternLM2ForCausalLM) {_WHY}"),
 }
 """model_type -> (the family's fields, what it is priced as and why): remote-code families memkit maps
 without running their code. Others need --trust-remote-code (spec/generic.py)."""

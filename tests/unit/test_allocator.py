@@ -162,3 +162,35 @@ def test_expandable_segments_keep_the_max_split_rules():
     tail.free("big")                  # the whole segment is the free tail
     tail.malloc("small", 30 * MIB)    # refused as oversize by best fit, taken by the expandable path
     assert tail.reserved == 100 * MIB and tail.live["small"][0].addr == 0
+
+
+def _loss_steps(lengths):
+    """A step's vocab-sized loss tensors, in units of one row of bf16 logits (L MiB at length L): the
+    saved fp32 log-probs S (4L), then the bf16 logits A (2L), the fp32 cast C (4L) and the bf16 shift
+    copy B (2L); A, C, B freed at the forward's end; backward's two fp32 gradients E, F (4L each)
+    while S lives; then all freed (memory.py's loss events; the step ends with nothing of it live)."""
+    events = []
+    for k, n in enumerate(lengths):
+        fwd = [(f"S{k}", 4 * n), (f"A{k}", 2 * n), (f"C{k}", 4 * n), (f"B{k}", 2 * n)]
+        events += [(key, size * MIB) for key, size in fwd]
+        events += [(f"A{k}", None), (f"C{k}", None), (f"B{k}", None)]
+        events += [(f"E{k}", 4 * n * MIB), (f"F{k}", 4 * n * MIB), (f"E{k}", None), (f"F{k}", None), (f"S{k}", None)]
+    return events
+
+
+def test_growing_and_shrinking_steps_worked_by_hand():
+    """Steps at 10, 12, 11, 14 through get_free_block (best fit), should_split (large pool: remainder
+    > 1 MiB), free_block's merging and get_allocation_size (>= 10 MiB: the request rounded to 2 MiB;
+    every size here is a multiple of 2 MiB):
+    10: S 40, A 20, C 40, B 20 are new segments; E takes C's freed 40; F is new: 40+20+40+20+40 = 160.
+    12: S 48 new; A 24 splits the lowest free 40 (S's old one); C 48 new; B 24 splits the other free
+        40; A, C, B freed (each merges back whole); E 48 takes C's; F 48 new: 160 + 3 x 48 = 304.
+    11 (not the longest so far): S 44, C 44, E 44, F 44 split the three 48s; A, B 22 split 40s;
+        no cudaMalloc: 304.
+    14: three more new segments of 56 (S, C/E, F): 304 + 168 = 472.
+    The same steps longest first: only the first step's 56+28+56+28+56 = 224; every later tensor
+    fits a cached block."""
+    reserved = [replay(_loss_steps([10, 12, 11, 14][:i])).reserved_peak_bytes // MIB for i in range(1, 5)]
+    assert reserved == [160, 304, 304, 472]
+    assert replay(_loss_steps([14, 12, 11, 10])).reserved_peak_bytes // MIB == 224
+    assert replay(_loss_steps([14, 12, 11, 10])).num_segments == 5

@@ -7,7 +7,11 @@ they replace, with fewer estimates:
   - partial checkpointing (_partial_checkpointing) returns what the plain visit returns -
     micro-batches in order of their no-recompute step time, a full bisection over K at each,
     strict improvement, stop at the first micro-batch not faster without recompute - whichever
-    micro-batch it bisects first, including where memory is not monotone in K.
+    micro-batch it bisects first, including where memory is not monotone in K, and after the lean
+    dominator's step times are priced (_lean_keys skips the K's they show cannot beat; a test with
+    those times made unsound shows the comparison would catch a wrong skip);
+  - a dominated structure's bound is the minimum over every micro-batch though only some of its
+    own step times are priced (_fastest).
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ import pytest
 
 from memkit.estimate.memory import estimate_memory
 from memkit.planner import Request
-from memkit.planner.search import (_bound, _bound_order, _Evaluator, _largest_fitting, _partial_checkpointing,
-                                   _tries_partial)
+from memkit.planner.search import (_bound, _bound_order, _dominators, _Evaluator, _largest_fitting,
+                                   _partial_checkpointing, _tries_partial)
 from memkit.planner.space import layouts, micro_batch_options, structures, tiers, with_micro
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
@@ -100,6 +104,55 @@ def test_partial_checkpointing_answers_as_the_plain_visit_with_fewer_estimates(n
     assert pruned_calls < plain_calls, (pruned_calls, plain_calls)
 
 
+def _lean_pairs(req: Request):
+    """(lean case, dominated case) pairs of _partial_cases: a no-overlap or activation-offload
+    structure and its lean dominator (search._lean_keys reads the latter's step times)."""
+    cases = _partial_cases(req)
+    by_structure = {case[0]: case for case in cases}
+    return [(by_structure[_dominators(case[0])[-1]], case) for case in cases
+            if _dominators(case[0]) and _dominators(case[0])[-1] in by_structure]
+
+
+def _priced_partial_plans(ev: _Evaluator) -> set:
+    return {p for p in ev.memo.speeds if p.checkpointing.isdigit()}
+
+
+def test_partial_checkpointing_with_lean_keys_priced_answers_as_the_plain_visit():
+    """After the lean dominator's visit has priced its step times (as in the search, which visits it
+    first), _partial_checkpointing skips pricing the K's that cannot beat (search._lean_keys), and its
+    answer is still the plain visit's; fewer of the structure's own step times are priced."""
+    req = _request("1b-a100")
+    pairs = _lean_pairs(req)
+    assert len(pairs) >= 4
+    skipped = 0
+    for lean_case, case in pairs:
+        shared, alone = _Evaluator(req, estimate_memory), _Evaluator(req, estimate_memory)
+        _partial_checkpointing(shared, *lean_case)
+        before = _priced_partial_plans(shared)
+        got = _partial_checkpointing(shared, *case)
+        assert got == _plain_partial(_Evaluator(req, estimate_memory), *case), case[0]
+        assert _partial_checkpointing(alone, *case) == got
+        skipped += len(_priced_partial_plans(alone)) - len(_priced_partial_plans(shared) - before)
+    assert skipped > 0
+
+
+def test_an_unsound_lean_key_changes_the_answer():
+    """The comparison above catches an unsound skip: with the lean dominator's step times replaced
+    by ones slower than any plan (a lower bound that does not hold), some answer is not the plain
+    visit's."""
+    from dataclasses import replace
+
+    req = _request("1b-a100")
+    differs = 0
+    for lean_case, case in _lean_pairs(req):
+        ev = _Evaluator(req, estimate_memory)
+        _partial_checkpointing(ev, *lean_case)
+        for plan in _priced_partial_plans(ev):
+            ev.memo.speeds[plan] = replace(ev.memo.speeds[plan], step_time_s=float("inf"))
+        differs += _partial_checkpointing(ev, *case) != _plain_partial(_Evaluator(req, estimate_memory), *case)
+    assert differs > 0
+
+
 def test_non_monotone_k_case_is_in_the_cases():
     """The 3b-4090 request holds a structure whose fits over K have a gap (what the docstring
     above says), so the test above covers a bisection that does not find the smallest fitting K."""
@@ -118,7 +171,7 @@ def test_structures_come_in_exact_bound_order_and_offload_ones_are_priced_lazily
     structs = _structures(req)
     assert any(s.offload_activations != "none" for s in structs)
     ev = _Evaluator(req, estimate_memory)
-    exact = sorted((_bound(ev, s, micro_batch_options(req, s.dp, s.pp)), i) for i, s in enumerate(structs))
+    exact = sorted((_plain_bound(ev, s), i) for i, s in enumerate(structs))
     lazy = _Evaluator(req, estimate_memory)
     order = _bound_order(lazy, structs)
     first = next(order)
@@ -126,6 +179,28 @@ def test_structures_come_in_exact_bound_order_and_offload_ones_are_priced_lazily
     rest = [(bound, index) for bound, index, _, _ in order]
     assert [(first[0], first[1])] + rest == exact
     assert priced_at_first < len(lazy.memo.speeds)
+
+
+def _plain_bound(ev: _Evaluator, s) -> float:
+    """_bound written out: every micro-batch priced (the 'none' sibling's where partial
+    checkpointing is tried)."""
+    target = s.with_(checkpointing="none") if _tries_partial(ev, s) else s
+    return min(ev.speed(with_micro(target, m)).step_time_s for m in micro_batch_options(ev.request, s.dp, s.pp))
+
+
+@pytest.mark.parametrize("name", ["1b-a100", "1b-a100-1e9"])
+def test_dominated_bounds_are_the_plain_minimum_with_fewer_step_times(name):
+    """_fastest reads a dominated structure's own step times only up to where its lean dominator's
+    (priced at every micro-batch) show no later micro-batch can be faster: the bound is still the
+    minimum over every micro-batch, for each activation-offload and no-overlap structure."""
+    req = _request(name)
+    structs = _structures(req)
+    ev, plain = _Evaluator(req, estimate_memory), _Evaluator(req, estimate_memory)
+    dominated = [s for s in structs if _dominators(s)]
+    assert len(dominated) >= 8
+    for s in structs:  # the lean ones first, as the search prices them
+        assert _bound(ev, s, micro_batch_options(req, s.dp, s.pp)) == _plain_bound(plain, s), s
+    assert len(ev.memo.speeds) < len(plain.memo.speeds)
 
 
 def test_dominated_structures_wait_unpriced_until_the_visit_reaches_them():

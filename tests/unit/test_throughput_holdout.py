@@ -34,6 +34,11 @@ def test_holdout_records_map_with_their_stated_knobs():
     assert vl.measured_tps_per_gpu == 12769.23 / 4 and vl.lora_adapter_dtype == "bf16"
     assert map_record(recs["torchtune-flags-3b-qlora"], configs_dir=cfg).skip_reason
     assert not map_record(recs["torchtune-flags-3b-baseline"], configs_dir=cfg).absolute   # unpacked
+    # packed torchtune rows attend through FlexAttention's document BlockMask: marked approximate
+    flex = "FlexAttention"
+    assert any(flex in a for a in map_record(recs["torchtune-flags-3b-packed"], configs_dir=cfg).approx)
+    assert any(flex in a for a in lora.approx)
+    assert not any(flex in a for a in map_record(recs["torchtune-flags-3b-baseline"], configs_dir=cfg).approx)
     # torchtune's configs set no clip_grad_norm; its LoRA recipe builds AdamW(fused=True)
     assert lora.plans[0].gradient_clipping == 0.0 and lora.fused_optimizer
     # peft's MetaMathQA loop: fp32 adapters, clip 1.0, ranked only, grouped per stated stack

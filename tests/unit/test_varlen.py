@@ -12,7 +12,8 @@ import pytest
 from memkit.errors import MemkitError
 from memkit.estimate.allocator import AllocatorConfig, replay
 from memkit.estimate.memory import estimate_memory
-from memkit.estimate.varlen import _sample, estimate_varlen, padding_waste, parse_lengths, step_lengths
+from memkit.estimate.varlen import (ORDERS, _sample, estimate_varlen, padding_waste, parse_lengths,
+                                    step_lengths, step_orders)
 from memkit.plan.plan import TrainingPlan
 from memkit.spec.hardware import Hardware, find_gpu
 from memkit.spec.hf import load_model_spec
@@ -201,3 +202,34 @@ def test_one_length_replays_the_plans_task_head(task):
     assert v.allocated_peak_bytes == fixed.allocated_peak_bytes
     assert fixed.allocated_peak_bytes < estimate_memory(bert, TrainingPlan(micro_batch_size=2, seq_len=128),
                                                         hw).allocated_peak_bytes  # no b x s x 5000 logits
+
+
+def test_step_orders_are_seeded_shuffles_of_one_epoch():
+    lengths = [10, 300, 40, 70, 600, 90, 20]
+    kw = dict(micro_batch=1, seq_len=512)
+    orders = step_orders(lengths, **kw)
+    assert len(orders) == ORDERS
+    assert orders == [step_lengths(lengths, seed=s, **kw) for s in range(ORDERS)]
+    assert all(sorted(o) == sorted(min(n, 512) for n in lengths) for o in orders)  # batch 1: the same steps
+    assert len({tuple(o) for o in orders}) > 1
+    # one shape per step: the order cannot matter, one order is replayed
+    assert step_orders(lengths, padding="seq-len", **kw) == [[512] * 7]
+    assert len(step_orders(lengths, padding="packed", **kw)) == 1
+
+
+def test_several_orders_report_the_median_order():
+    """A step longer than all before it leaves the shorter steps' segments cached, so an order that
+    climbs to its longest step reserves more than one that starts there; of three orders the figure
+    is the middle one's, and each order's reserved peak is reported."""
+    model = load_model_spec("llama-3.2-1b")
+    plan = TrainingPlan(precision="bf16", micro_batch_size=2, seq_len=1024, lora_rank=8)
+    hw = Hardware(gpu=find_gpu("a100-80gb"))
+    climbing, falling, mixed = [256, 512, 768, 1024], [1024, 768, 512, 256], [512, 256, 1024, 768]
+    alone = [estimate_varlen(model, plan, hw, o, expandable_segments=False).reserved_peak_bytes
+             for o in (climbing, falling, mixed)]
+    assert alone[0] > alone[2] > alone[1]
+    v = estimate_varlen(model, plan, hw, climbing, orders=(falling, mixed), expandable_segments=False)
+    assert v.reserved_by_order == tuple(alone)
+    assert v.reserved_peak_bytes == alone[2] and v.num_steps == 4
+    single = estimate_varlen(model, plan, hw, [1024], expandable_segments=False)
+    assert v.single_shape_reserved_bytes == single.single_shape_reserved_bytes
