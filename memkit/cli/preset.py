@@ -93,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
         # the preset's README as the bundle emitter writes it for the repository-relative folder
         # (presets commit plan.json, accelerate.yaml, ds_config.json; the README is derived)
         print(preset_bundle(args.name, f"presets/plans/{args.name}")["README.md"], end="")
-        print(f"\n(repository-relative paths: run from {folder.parents[2]}, or write a bundle that runs from "
-              f"anywhere with `memkit preset {args.name} --out DIR`)")
+        # the paths read presets/plans/NAME/...: they hold from the folder above presets/ (a checkout),
+        # not from an installed wheel's memkit/_presets/ (memkit.presets_dir)
+        where = f"run from {folder.parents[2]}, or " if folder.parents[1].name == "presets" else ""
+        print(f"\n(repository-relative paths: {where}write a bundle that runs from anywhere with "
+              f"`memkit preset {args.name} --out DIR`)")
         return 0
     from memkit.emit import plan_doc
     from memkit.emit.bundle import train_command, write_bundle
