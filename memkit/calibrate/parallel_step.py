@@ -119,6 +119,18 @@ def batches(vocab_size: int, plan: TrainingPlan, *, seed: int, steps: int, disti
 
 
 def main(argv=None) -> int:
+    """The harness's process; the garbage collector is paused through set-up as the runner's is
+    (memkit/train/collector.py; run() resumes it before step 1)."""
+    from memkit.train import collector
+
+    collector.pause()
+    try:
+        return _main(argv)
+    finally:
+        collector.restore()
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -183,6 +195,9 @@ def run(args, name, model_config, plan, layout, spec, hardware) -> int:
         step_fn, cleanup = _engine(model, plan, layout, device, args.lr, tracker)
         data = batches(config.vocab_size, plan, seed=args.seed, steps=args.steps,
                        distinct=args.distinct_batches, dp_rank=layout.dp_rank)
+        from memkit.train import collector
+
+        collector.resume()  # set-up's cycles freed before the measured steps
         for step, ids in enumerate(data):
             tracker.reset_peak()
             loss = step_fn(ids.to(device))

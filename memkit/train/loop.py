@@ -47,7 +47,7 @@ from memkit.train.config import (DEFAULT_PREEMPT_GRACE_S, RunConfig, fill_deepsp
                                  resolve_plan, steps_for_epochs)
 from memkit.train.data import IGNORE_INDEX, PackedData, Sharding
 from memkit.train.parallel import apply_pipeline_parallel, autotp_deepspeed_config, rank_layout
-from memkit.train import split_checkpoint
+from memkit.train import collector, split_checkpoint
 from memkit.train.chunked_loss import find_head
 from memkit.train.backward_techniques import activation_context
 from memkit.train.techniques import mask_kwargs, micro_loss_sum
@@ -326,6 +326,7 @@ def train(*, plan_in: TrainingPlan | None, flags: dict, run: RunConfig, data: Pa
     """Run the training; return the report dict (the same on every rank)."""
     state = _setup(plan_in=plan_in, flags=flags, run=run, data=data, tokenizer=tokenizer,
                    model_source=model_source, model_config=model_config, plan_doc=plan_doc, tracker=tracker)
+    collector.resume()  # set-up's cycles freed, its survivors frozen (memkit/train/collector.py)
     _steps(state)
     return _finish(state)
 

@@ -335,7 +335,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 def run_finetune(argv: list[str] | None = None) -> int:
-    """Parse, check, train; the exit code (module docstring)."""
+    """Parse, check, train; the exit code (module docstring). The garbage collector is paused
+    through set-up (memkit/train/collector.py; train() resumes it before step 1)."""
+    from memkit.train import collector
+
+    collector.pause()
+    try:
+        return _run_finetune(argv)
+    finally:
+        collector.restore()
+
+
+def _run_finetune(argv: list[str] | None) -> int:
     from memkit.validate import check_args, harden
 
     parser = argparse.ArgumentParser(prog="finetune", description=HELP)

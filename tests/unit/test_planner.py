@@ -33,30 +33,30 @@ def fits(req: Request, plan) -> bool:
             and est.nvme_bytes_per_node <= req.hardware.nvme_bytes_per_node)
 
 
-def _fitting(req: Request, plan):
-    """The plan if it fits and, for a full-checkpointing plan that fits, the partial ones (K of
-    L blocks) that do too: the search tries the smallest such K."""
-    if not fits(req, plan):
-        return []
-    out = [plan]
+def _candidates(req: Request, plan):
+    """(plan, the full-checkpointing plan it needs to fit or None): the plan, and for a
+    full-checkpointing plan the partial ones (K of L blocks), which the search tries only where
+    full checkpointing fits."""
+    out = [(plan, None)]
     if plan.checkpointing == "full" and req.checkpointing is None and plan.pp == 1:
-        out += [p for p in (plan.with_(checkpointing=str(k)) for k in range(1, req.model.total_layers))
-                if fits(req, p)]
+        out += [(plan.with_(checkpointing=str(k)), plan) for k in range(1, req.model.total_layers)]
     return out
 
 
 def brute_force_best(req: Request) -> float | None:
-    """Fastest step time over every plan of the first tier that has one: no pruning at all."""
+    """Fastest step time over every plan of the first tier that has a fitting one, with none of the
+    search's pruning (no memory floors or bounds, no memo): every plan is priced, then their
+    memory is checked in order of step time until the first that fits, since a slower plan
+    cannot be the minimum whether it fits or not."""
     for tier in tiers(req):
-        best = None
-        for layout in layouts(req):
-            for s in structures(req, tier, layout):
-                for micro in micro_batch_options(req, s.dp, s.pp):
-                    for plan in _fitting(req, with_micro(s, micro)):
-                        t = estimate_step_time(req.model, plan, req.hardware).step_time_s
-                        best = t if best is None else min(best, t)
-        if best is not None:
-            return best
+        priced = [(estimate_step_time(req.model, plan, req.hardware).step_time_s, plan, full)
+                  for layout in layouts(req) for s in structures(req, tier, layout)
+                  for micro in micro_batch_options(req, s.dp, s.pp)
+                  for plan, full in _candidates(req, with_micro(s, micro))]
+        checked: dict = {}
+        for t, plan, full in sorted(priced, key=lambda row: row[0]):
+            if all(checked.setdefault(p, fits(req, p)) for p in (full, plan) if p is not None):
+                return t
     return None
 
 

@@ -1,0 +1,91 @@
+"""memkit/train/collector.py: the garbage collector paused through a run's set-up, on for its steps,
+and the caller's collector as it was once an in-process run returns."""
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+
+from memkit.train import collector
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from runner_util import write_tiny_llama  # noqa: E402
+
+
+class _Node:
+    pass
+
+
+def _cycle() -> weakref.ref:
+    """A two-object reference cycle that nothing else holds: only the cyclic collector frees it."""
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+@pytest.fixture
+def collector_on():
+    """Tests start and end with the collector on and nothing frozen, as pytest runs them."""
+    assert gc.isenabled() and not gc.get_freeze_count()
+    yield
+    collector.restore()
+    gc.unfreeze()
+    gc.enable()
+
+
+def test_setup_cycles_are_freed_and_the_survivors_frozen(collector_on):
+    collector.pause()
+    assert not gc.isenabled()
+    garbage = _cycle()
+    kept = _Node()
+    kept.me = kept  # a cycle still referenced: it survives and is frozen
+    churn = [[] for _ in range(10 * gc.get_threshold()[0])]  # enough new containers to trigger a collection
+    assert garbage() is not None  # none ran: paused
+    collector.resume()
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert garbage() is None and kept.me is kept and churn
+    collector.restore()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_caller_with_the_collector_off_keeps_it_off(collector_on):
+    gc.disable()
+    collector.pause()
+    collector.resume()
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+    collector.restore()
+    assert not gc.isenabled()
+
+
+def test_a_caller_that_froze_objects_keeps_them_frozen(collector_on):
+    gc.freeze()
+    theirs = gc.get_freeze_count()
+    collector.pause()
+    collector.resume()
+    assert gc.isenabled() and gc.get_freeze_count() == theirs
+    collector.restore()
+    assert gc.get_freeze_count() == theirs
+
+
+def test_an_in_process_run_steps_with_the_collector_on_and_returns_it_as_it_was(collector_on, tmp_path,
+                                                                               monkeypatch, capfd):
+    from memkit.train import loop
+    from memkit.train.main import run_finetune
+
+    seen = {}
+    steps = loop._steps
+
+    def observed(state):  # the loop's own step function, with the collector's state noted first
+        seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+        return steps(state)
+
+    monkeypatch.setattr(loop, "_steps", observed)
+    model = write_tiny_llama(tmp_path / "tiny").parent
+    code = run_finetune(["--model", str(model), "--data", "synthetic:8", "--output-dir", str(tmp_path / "out"),
+                         "--seq-len", "16", "--max-steps", "1", "--no-progress"])
+    assert code == 0, capfd.readouterr().err[-2000:]
+    assert seen["enabled"] and seen["frozen"] > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
