@@ -35,6 +35,15 @@ while true; do sleep 0.05; done
 """
 
 
+def _as_a_terminal_starts_it() -> None:
+    """The script starts with SIGINT and SIGTERM at their defaults and none blocked, as from a terminal or a
+    scheduler, whatever an earlier test left in this pytest process (bash cannot trap a signal that was
+    ignored when it started: bash(1), SIGNALS)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _bundle(tmp_path: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
     from runner_util import write_bundle
@@ -79,7 +88,7 @@ def test_a_signal_to_the_script_stops_the_launcher_on_every_host(tmp_path, sig, 
     run_id = f"test-{os.getpid()}-{sig.name}"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LAUNCH_LOG": str(log),
            "MEMKIT_RUN_ID": run_id}
-    proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True,
+    proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, preexec_fn=_as_a_terminal_starts_it,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for _ in range(400):  # hang guard only: both launchers normally start within a second
@@ -90,7 +99,13 @@ def test_a_signal_to_the_script_stops_the_launcher_on_every_host(tmp_path, sig, 
         assert sorted(line.split(" started ")[0] for line in started) == ["rank 0", "rank 1"]
         assert all(f"--machine_rank {line[5]} --main_process_ip node-a" in line for line in started)
         proc.send_signal(sig)  # to the script only, as Ctrl-C in its terminal or a scheduler's TERM
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a hang: say what was left running, for the next reader
+            ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,args", "--forest"], capture_output=True, text=True).stdout
+            raise AssertionError(f"the script did not exit after {sig.name}\nlog:\n{log.read_text()}\n"
+                                 f"pid files: {sorted(Path('/tmp').glob(f'memkit-{run_id}.rank*.pid'))}\n"
+                                 + "\n".join(line for line in ps.splitlines() if str(tmp_path) in line)) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
