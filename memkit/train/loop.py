@@ -216,6 +216,12 @@ _ACTIVE: StopFlag | None = None
 setup is kept too and acted on at the first step boundary."""
 
 
+def restore_stop_flag() -> None:
+    """The installed StopFlag's handlers replaced by those it found (an in-process run is over)."""
+    if _ACTIVE is not None:
+        _ACTIVE.restore()
+
+
 def stop_flag(grace_s: float) -> StopFlag:
     """The installed StopFlag (with this grace), or a newly installed one."""
     if _ACTIVE is not None:

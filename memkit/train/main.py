@@ -331,12 +331,24 @@ def main(argv: list[str] | None = None) -> NoReturn:
     (loop.py cleanup_distributed)).
     --help and an argparse usage error leave through SystemExit as usual; an unexpected exception
     through the interpreter (a traceback)."""
-    exit_now(run_finetune(argv))
+    exit_now(_collected(argv))  # a stopping run's handlers stay installed through the exit (loop.py StopFlag)
 
 
 def run_finetune(argv: list[str] | None = None) -> int:
-    """Parse, check, train; the exit code (module docstring). The garbage collector is paused
-    through set-up (memkit/train/collector.py; train() resumes it before step 1)."""
+    """Parse, check, train; the exit code (module docstring). For in-process callers: the caller's
+    signal handlers are back when it returns, whatever the outcome (the run installs its StopFlag
+    before anything slow: memkit/train/loop.py)."""
+    from memkit.train.loop import restore_stop_flag
+
+    try:
+        return _collected(argv)
+    finally:
+        restore_stop_flag()
+
+
+def _collected(argv: list[str] | None) -> int:
+    """_run_finetune with the garbage collector paused through set-up (memkit/train/collector.py;
+    train() resumes it before step 1) and as it was once the run returns."""
     from memkit.train import collector
 
     collector.pause()

@@ -89,3 +89,21 @@ def test_an_in_process_run_steps_with_the_collector_on_and_returns_it_as_it_was(
     assert code == 0, capfd.readouterr().err[-2000:]
     assert seen["enabled"] and seen["frozen"] > 0
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_an_in_process_run_gives_the_callers_signal_handlers_back(collector_on, tmp_path, capfd, bad):
+    """Refused before its first step or trained to the end: Ctrl-C raises KeyboardInterrupt again
+    afterwards, the collector is on."""
+    import signal
+
+    from memkit.train.main import run_finetune
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    model = write_tiny_llama(tmp_path / "tiny").parent
+    data = str(tmp_path / "missing.jsonl") if bad else "synthetic:8"
+    code = run_finetune(["--model", str(model), "--data", data, "--output-dir", str(tmp_path / "out"),
+                         "--seq-len", "16", "--max-steps", "1", "--no-progress"])
+    assert code == (2 if bad else 0), capfd.readouterr().err[-2000:]
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert gc.isenabled() and gc.get_freeze_count() == 0
