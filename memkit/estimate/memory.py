@@ -592,8 +592,10 @@ def _shard_chunks(chunks: dict[str, tuple[int, ...]], timeline: list[dict[str, i
     out = dict(chunks)
     for name in SHARDED_COMPONENTS:
         sizes = chunks.get(name)
-        most = max((m.get(name, 0) for m in timeline), default=0)
-        if not sizes or most <= 0 or most >= sum(sizes):
+        if not sizes:
+            continue
+        most = max([m.get(name, 0) for m in timeline], default=0)
+        if most <= 0 or most >= sum(sizes):
             continue
         share = most / sum(sizes)
         out[name] = tuple(max(1, int(size * share)) for size in sizes)
