@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import attrgetter
 
 from memkit.estimate.tape import Sym, Tape
 from memkit.plan.plan import TrainingPlan
@@ -315,18 +316,35 @@ per search. tests/unit/test_estimate_memo.py checks that changing any other fiel
 
 
 class PlanPart:
-    """A plan keyed (hashed, compared) by some of its fields, carrying the plan itself."""
+    """A plan keyed (hashed, compared) by some of its fields, carrying the plan itself: the key is
+    the tuple of those fields' values, in the order `names` gives them."""
 
     __slots__ = ("plan", "key")
 
     def __init__(self, plan: TrainingPlan, names: tuple[str, ...]):
-        self.plan, self.key = plan, tuple(getattr(plan, n) for n in names)
+        self.plan, self.key = plan, _key_getter(names)(plan)
 
     def __hash__(self) -> int:
         return hash(self.key)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PlanPart) and self.key == other.key
+
+
+_KEY_GETTERS: dict = {}
+"""PlanPart's key reader for each tuple of field names, built once: operator.attrgetter reads the
+fields in C (a memo key is built for every estimate the planner makes)."""
+
+
+def _key_getter(names: tuple[str, ...]):
+    getter = _KEY_GETTERS.get(names)
+    if getter is None:
+        if len(names) > 1:
+            getter = attrgetter(*names)   # a tuple of the values, in names' order
+        else:
+            getter = lambda plan: tuple(getattr(plan, n) for n in names)  # noqa: E731 (attrgetter of one name gives the bare value)
+        _KEY_GETTERS[names] = getter
+    return getter
 
 
 def block_activations(spec: ModelSpec, plan: TrainingPlan, *, micro_batch_size: int | None = None,

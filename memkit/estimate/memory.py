@@ -372,6 +372,10 @@ class _PhaseWalk:
             self.base.update({f"offloaded_{name}": value for name, value in st.host.items()})
         self.in_backward = {prefix + name: value for name, value in st.backward_buffers.items()}
         self.in_reduction = {prefix + name: value for name, value in st.reduction_buffers.items()}
+        # what every backward moment starts from (_block_backward), merged once: the same keys in
+        # the same order as merging them at each moment
+        self.recompute_base = {**self.base, **self.in_backward}
+        self.backward_base = {**self.base, **self.in_backward, **self.in_reduction}
 
     def kept_one(self, j: int) -> int:
         """Bytes kept by blocks 0..j-1 of one micro-batch: the first k_ckpt keep only their inputs
@@ -447,12 +451,12 @@ class _PhaseWalk:
             # grad of its output, and the unsaved tensors at its widest LoRA'd linear
             # (torch/utils/checkpoint.py reruns the forward when backward first unpacks a saved tensor).
             first_grads.append(self.grads_after(n_layers - 1 - j, held=False))
-            moments.append({**self.base, **self.in_backward, "gradients": grads,
+            moments.append({**self.recompute_base, "gradients": grads,
                             "activations": remaining + current,
                             "recompute_temporaries": blk.recompute_transient_bytes + blk.input_bytes,
                             "pipeline_logits": pipe.backward_logits_bytes, "zero3_gathered_params": gather})
         first_grads.append(self.grads_after(n_layers - 1 - j, held=False))
-        moments.append({**self.base, **self.in_backward, **self.in_reduction, "gradients": grads,
+        moments.append({**self.backward_base, "gradients": grads,
                         "activations": remaining + current,
                         "backward_temporaries": transient + t.landing
                         - (pipe.output_grad_in_buffer_bytes if j == n_layers - 1 else 0),
@@ -592,8 +596,10 @@ def _shard_chunks(chunks: dict[str, tuple[int, ...]], timeline: list[dict[str, i
     out = dict(chunks)
     for name in SHARDED_COMPONENTS:
         sizes = chunks.get(name)
-        most = max((m.get(name, 0) for m in timeline), default=0)
-        if not sizes or most <= 0 or most >= sum(sizes):
+        if not sizes:
+            continue
+        most = max([m.get(name, 0) for m in timeline], default=0)
+        if most <= 0 or most >= sum(sizes):
             continue
         share = most / sum(sizes)
         out[name] = tuple(max(1, int(size * share)) for size in sizes)

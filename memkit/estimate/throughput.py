@@ -686,27 +686,54 @@ def _memo_layer_passes(gpu: GPU, part, model: ModelSpec, tokens: int, early_stop
     return total, fwd_only.fwd_s
 
 
-def _step_techniques():
-    """estimate/step_terms.py's STEP_TECHNIQUES. That module prices its terms with this one's kernel
-    passes, so it is imported when first walked, not at this module's import."""
-    from memkit.estimate.step_terms import STEP_TECHNIQUES
-    return STEP_TECHNIQUES
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """What the step-time walk needs from estimate/step_terms.py: its StepContext and StepTerms, and
+    per phase the methods of STEP_TECHNIQUES it runs, in STEP_TECHNIQUES' order -- each technique's
+    own, leaving out the phases it does not override (StepTechnique's are empty, so skipping them
+    changes no term)."""
+
+    context: type
+    terms: type
+    setups: tuple
+    computes: tuple
+    exposeds: tuple
+    exposeds_no_sync: tuple
+    """exposeds without the boundary_only techniques' (a no_sync micro-step, _exposed_terms)."""
+
+
+_WALK: list[_Walk] = []
+
+
+def _walk() -> _Walk:
+    """_Walk, built once. estimate/step_terms.py prices its terms with this module's kernel passes,
+    so it is imported when first walked, not at this module's import."""
+    if not _WALK:
+        from memkit.estimate.step_terms import STEP_TECHNIQUES, StepContext, StepTechnique, StepTerms
+
+        def own(phase: str, techniques) -> tuple:
+            return tuple(getattr(t, phase) for t in techniques
+                         if getattr(type(t), phase) is not getattr(StepTechnique, phase))
+        _WALK.append(_Walk(StepContext, StepTerms, own("setup", STEP_TECHNIQUES), own("compute", STEP_TECHNIQUES),
+                           own("exposed", STEP_TECHNIQUES),
+                           own("exposed", [t for t in STEP_TECHNIQUES if not t.boundary_only])))
+    return _WALK[0]
 
 
 def _compute_terms(c: "StepContext", t: "StepTerms", **switches) -> None:
     """One micro-batch's compute on `t` (estimate/step_terms.py StepTerms): the techniques' switches
     (`switches` -- early_stop, fp32_adapters -- replace theirs), the layer passes, then what each
     technique adds to the compute and the recompute."""
-    techniques = _step_techniques()
-    for technique in techniques:
-        technique.setup(c, t)
+    walk = _walk()
+    for setup in walk.setups:
+        setup(c, t)
     for name, value in switches.items():
         setattr(t, name, value)
     t.compute, t.fwd_only_s = _layer_passes(c.gpu, c.plan, c.model, c.tokens, early_stop=t.early_stop,
                                             compiled=c.compiled, fp32_adapters=t.fp32_adapters,
                                             eager_fp32_rope=c.eager_fp32_rope)
-    for technique in techniques:
-        technique.compute(c, t)
+    for compute in walk.computes:
+        compute(c, t)
 
 
 def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, *,
@@ -716,11 +743,10 @@ def _micro_compute(gpu: GPU, plan: TrainingPlan, model: ModelSpec, tokens: int, 
     techniques' terms (_compute_terms). early_stop: the checkpoint recompute stops after the
     block's last saved tensor (_output_unsaved); compiled: the run uses torch.compile
     (_elementwise_pass); fp32_adapters: LoRA adapters in fp32 (peft_fp32_adapters)."""
-    from memkit.estimate.step_terms import StepContext, StepTerms
-
-    c = StepContext(model=model, plan=plan, hardware=Hardware(gpu=gpu), gpu=gpu, how=behaviour(None),
-                    tokens=tokens, compiled=compiled)
-    t = StepTerms()
+    walk = _walk()
+    c = walk.context(model=model, plan=plan, hardware=Hardware(gpu=gpu), gpu=gpu, how=behaviour(None),
+                     tokens=tokens, compiled=compiled)
+    t = walk.terms()
     _compute_terms(c, t, early_stop=early_stop, fp32_adapters=fp32_adapters)
     return t.compute, t.recompute_s
 
@@ -807,17 +833,18 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
     trainable = _trainable_per_gpu(model, plan)
     e = _grad_bytes(plan)
     grads, params = trainable * (reduce_itemsize or e), n_local * e
-    # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
-    # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb).
-    ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
-    rs3 = 0.0 if no_sync else _ring_time_s(grads, dp, link, allreduce=False, count=layers)
-    rs = _ring_time_s(grads, dp, link, allreduce=False, count=trainable / plan.reduce_bucket_size)
-    ar = _ring_time_s(grads, dp, link, allreduce=True, count=trainable / plan.reduce_bucket_size)
-    ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
-    one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
-    ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
-                                 count=trainable / plan.allgather_bucket_size)
     stage, torch_engine = plan.zero_stage, plan.engine == "torch"
+    # ZeRO-3 / FSDP gather and reduce one block at a time; ZeRO-1/2 and DDP in buckets
+    # (reduce_bucket_size / allgather_bucket_size elements, DDP bucket_cap_mb). Each branch below
+    # prices only the collectives its engine and stage run.
+    if stage >= 2 and (stage == 3 or torch_engine):   # ZeRO-3 / FSDP FULL_SHARD, FSDP SHARD_GRAD_OP
+        ag = _ring_time_s(params, dp, link, allreduce=False, count=layers)
+        rs3 = 0.0 if no_sync else _ring_time_s(grads, dp, link, allreduce=False, count=layers)
+        one_layer = ag / max(1.0, layers)   # the first gather of a pass cannot be prefetched
+    elif stage >= 1:                                   # torch ZeRO-1, DeepSpeed ZeRO-1/2: buckets
+        rs = _ring_time_s(grads, dp, link, allreduce=False, count=trainable / plan.reduce_bucket_size)
+        ag_after_step = _ring_time_s(trainable * e, dp, link, allreduce=False,
+                                     count=trainable / plan.allgather_bucket_size)
     if stage == 3:
         # Params gathered for forward and again for backward, grads reduce-scattered, every micro-step
         # (ZeRO paper Sec. 7.2.2: 3 Psi); FSDP prefetches the next block's gather (forward_prefetch /
@@ -845,11 +872,13 @@ def _dp_comm(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, fwd_s: fl
         last_bucket = _ring_time_s(min(grads, DDP_BUCKET_BYTES), dp, link, allreduce=True)
         if stage == 1:
             return _Comm(boundary_s=_overlapped(rs, bwd_s) + last_bucket + ag_after_step)
+        ddp_ar = _ring_time_s(grads, dp, link, allreduce=True, count=grads / DDP_BUCKET_BYTES)
         return _Comm(boundary_s=_overlapped(ddp_ar, bwd_s) + last_bucket)
     # DeepSpeed engine (runtime/zero/stage_1_and_2.py).
     if stage == 0:
         # engine.allreduce_gradients() runs after backward at the boundary: nothing hides it.
-        return _Comm(boundary_s=ar)
+        return _Comm(boundary_s=_ring_time_s(grads, dp, link, allreduce=True,
+                                             count=trainable / plan.reduce_bucket_size))
     if stage == 1:
         # reduce_gradients() at the accumulation boundary only (is_gradient_accumulation_boundary),
         # on the reduction stream with overlap_comm (default off for stages 1-2), then the updated
@@ -903,18 +932,24 @@ def zero12_grad_handling(plan: TrainingPlan, model: ModelSpec, gpu: GPU) -> tupl
 
 def _param_tensors(model: ModelSpec, plan: TrainingPlan) -> int:
     """Trainable parameter tensors this GPU steps: weights (+ biases) of each block's linears, the
-    norms' weights (+ biases), embeddings and head; two per adapted linear under LoRA."""
+    norms' weights (+ biases), embeddings and head; two per adapted linear under LoRA. Memoised
+    on the model and the three plan values it reads, passed as the memo's own arguments."""
+    return _memo_param_tensors(model, plan.is_lora, plan.lora_targets, plan.pp)
+
+
+@lru_cache(maxsize=1024)
+def _memo_param_tensors(model: ModelSpec, is_lora: bool, lora_targets: tuple[str, ...], pp: int) -> int:
     total = 0
     for linears, layers in ((model.layer_linears, model.num_layers),
                             (model.encoder_layer_linears, model.num_encoder_layers)):
-        if plan.is_lora:
-            per_block = 2 * sum(lin.name in plan.lora_targets for lin in linears)
+        if is_lora:
+            per_block = 2 * sum(lin.name in lora_targets for lin in linears)
         else:
             norms = max(1, sum(lin.role in ("o", "attn_out") for lin in linears)) + 1
             per_block = (sum(1 + lin.bias for lin in linears)
                          + norms * (2 if model.norm_type == "layernorm" else 1))
         total += layers * per_block
-    return total // plan.pp + (0 if plan.is_lora else 3)
+    return total // pp + (0 if is_lora else 3)
 
 
 # ---- the step -----------------------------------------------------------------------------------
@@ -953,17 +988,16 @@ def estimate_step_time(model: ModelSpec, plan: TrainingPlan, hardware: Hardware,
     `no_sync_step`: the step timed is one micro-batch inside torch's no_sync() and its gradient
     clipping, nothing else (_check_switches): no reduction, no optimizer step."""
     _check_switches(plan, backward_prefetch, no_sync_step)
-    from memkit.estimate.step_terms import StepContext, StepTerms
-
+    walk = _walk()
     gpu = hardware.gpu
     m = plan.grad_accum
     tokens = plan.micro_batch_size * plan.seq_len   # per data-parallel rank and micro-step
-    c = StepContext(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
-                    compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
-                    lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
-                    chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope,
-                    no_sync_step=no_sync_step)
-    t = StepTerms()
+    c = walk.context(model=model, plan=plan, hardware=hardware, gpu=gpu, how=behaviour(stack), tokens=tokens,
+                     compiled=compiled, offload_streams=offload_streams, hf_checkpointing=hf_checkpointing,
+                     lora_adapter_dtype=lora_adapter_dtype, fused_optimizer=fused_optimizer,
+                     chunked_loss_saves_logits=chunked_loss_saves_logits, eager_fp32_rope=eager_fp32_rope,
+                     no_sync_step=no_sync_step)
+    t = walk.terms()
     _compute_terms(c, t)   # the layers' kernels and each technique's compute (estimate/step_terms.py)
     t_fwd, t_bwd, t_recompute = t.compute.fwd_s, t.compute.bwd_s, t.recompute_s
     t_gpu = t_fwd + t_bwd + t_recompute
@@ -1025,9 +1059,9 @@ def _exposed_terms(c: "StepContext", t: "StepTerms") -> None:
     """Each technique's time outside the compute (offload traffic, the optimizer step, the
     pipeline), in STEP_TECHNIQUES' order; a no_sync micro-step (StepContext.no_sync_step) skips the
     techniques that run only at an optimizer step (StepTechnique.boundary_only)."""
-    for technique in _step_techniques():
-        if not (c.no_sync_step and technique.boundary_only):
-            technique.exposed(c, t)
+    walk = _walk()
+    for exposed in walk.exposeds_no_sync if c.no_sync_step else walk.exposeds:
+        exposed(c, t)
 
 
 def _tp_comm_s(plan: TrainingPlan, model: ModelSpec, hardware: Hardware, tokens: int) -> float:

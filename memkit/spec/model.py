@@ -140,6 +140,14 @@ class ModelSpec:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Facts some families need (sliding_window, logit softcapping, ...). Never read by the core formulas."""
 
+    def __hash__(self) -> int:
+        """A hash of a few scalar fields, not of every field: equal specs have equal ones, which is
+        all a dict or lru_cache needs (a spec that differs elsewhere only collides, and == -- every
+        compared field, as the dataclass writes it -- tells them apart). The estimators' memos key
+        on the spec at every estimate, and hashing its blocks' linears costs microseconds."""
+        return hash((self.name, self.architecture, self.num_layers, self.hidden_size, self.vocab_size,
+                     self.num_params, self.head_params))
+
     @property
     def approximations(self) -> tuple[str, ...]:
         """What about this model memkit prices approximately (empty for the hand-modelled families)."""

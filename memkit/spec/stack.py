@@ -45,6 +45,7 @@ installed version). Behaviours, each with the version where it changed:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from memkit.errors import MemkitError
 from memkit.units import MIB
@@ -162,8 +163,11 @@ class StackBehaviour:
     notes: tuple[str, ...] = ()
 
 
+@lru_cache(maxsize=64)
 def behaviour(stack: Stack | None) -> StackBehaviour:
-    """What memkit prices for `stack`; a version memkit cannot place gets one note, not a guess."""
+    """What memkit prices for `stack`; a version memkit cannot place gets one note, not a guess.
+    Memoised on the stack (frozen; the answer is a pure function of its four versions, and frozen):
+    every step-time and memory estimate asks for it."""
     if stack is None:
         return StackBehaviour(shifted_logits_copy=False, eager_module_loading=False)
     notes = []
