@@ -70,8 +70,23 @@ def load_model_spec(name_or_path: str, *, trust_remote_code: bool = False) -> Mo
     from memkit.spec.resolve import resolve_model
 
     source = resolve_model(name_or_path)
-    return spec_from_config(_read_json(source.config_path), name=source.name, hub_id=source.hub_id,
-                            config_path=str(source.config_path), trust_remote_code=trust_remote_code)
+    config = _read_json(source.config_path)
+    if trust_remote_code:  # the folder's own code is read too, and may change between loads
+        return spec_from_config(config, name=source.name, hub_id=source.hub_id,
+                                config_path=str(source.config_path), trust_remote_code=True)
+    key = (json.dumps(config, sort_keys=True), source.name, source.hub_id, str(source.config_path))
+    spec = _LOADED.get(key)
+    if spec is None:
+        spec = _LOADED[key] = spec_from_config(config, name=source.name, hub_id=source.hub_id,
+                                               config_path=str(source.config_path))
+    return spec
+
+
+_LOADED: dict[tuple, ModelSpec] = {}
+"""load_model_spec's specs by what spec_from_config reads (the config's contents, its name, hub id
+and path): one object per equal input, so that the estimators' memos (lru caches keyed on the
+spec, e.g. estimate/throughput.py _memo_layer_passes) find a process's later requests by identity
+instead of comparing every field of an equal spec (presets_gen loads the spec per request)."""
 
 
 def _read_json(path: Path) -> dict:
