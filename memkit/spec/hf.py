@@ -71,14 +71,15 @@ def load_model_spec(name_or_path: str, *, trust_remote_code: bool = False) -> Mo
 
     source = resolve_model(name_or_path)
     config = _read_json(source.config_path)
-    if trust_remote_code:  # the folder's own code is read too, and may change between loads
-        return spec_from_config(config, name=source.name, hub_id=source.hub_id,
-                                config_path=str(source.config_path), trust_remote_code=True)
-    key = (json.dumps(config, sort_keys=True), source.name, source.hub_id, str(source.config_path))
+    # not kept with trust_remote_code: the folder's own code is read too, and may change between loads
+    key = None if trust_remote_code else (json.dumps(config, sort_keys=True), source.name, source.hub_id,
+                                          str(source.config_path))
     spec = _LOADED.get(key)
     if spec is None:
-        spec = _LOADED[key] = spec_from_config(config, name=source.name, hub_id=source.hub_id,
-                                               config_path=str(source.config_path))
+        spec = spec_from_config(config, name=source.name, hub_id=source.hub_id,
+                                config_path=str(source.config_path), trust_remote_code=trust_remote_code)
+        if key is not None:
+            _LOADED[key] = spec
     return spec
 
 
