@@ -219,23 +219,82 @@ def op_state(name: str, root: Path | None = None) -> OpState:
                    cached=(build_dir / f"{name}.so").is_file(), build_dir=build_dir, lock=lock)
 
 
-def probe_cpu_once() -> None:
-    """py-cpuinfo's answer cached for this process. DeepSpeed's CPU op builders ask it twice per
-    op load (deepspeed/ops/op_builder/builder.py, OpBuilder.cpu_arch and simd_width, which
-    cpu/builder.py cxx_args calls on every jit_load, a cached build included), and py-cpuinfo
-    answers each call by running itself in a fresh Python process (cpuinfo/cpuinfo.py,
-    get_cpu_info -> get_cpu_info_json): ~0.45 CPU s a call, measured, in every rank of every
-    DeepSpeed launch. The CPU does not change under a running process. Each caller gets its own
-    copy (cpu_arch edits the dict on aarch64); an exception is not cached. Idempotent."""
+CPU_INFO_CACHE = "memkit-cpuinfo.json"
+"""py-cpuinfo's answer for this machine, in the extensions root beside the ops it was asked for
+(probe_cpu_once), under CPU_INFO_FIELDS' fingerprint."""
+CPU_INFO_FIELDS = ("processor", "vendor_id", "cpu family", "model", "model name", "stepping", "microcode",
+                   "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part",
+                   "CPU revision", "isa", "cpu")
+"""The /proc/cpuinfo lines a CPU's identity is read from (x86: vendor_id .. flags; arm64: Features and
+the CPU id lines; ppc64/riscv: cpu, isa; Linux fs/proc and arch/*/kernel/cpuinfo): not "cpu MHz" or
+"bogomips", which change while the machine runs."""
+
+
+def _cpu_fingerprint() -> str | None:
+    """A hash of this machine's CPU as Linux lists it (CPU_INFO_FIELDS) and of py-cpuinfo's release;
+    None where /proc/cpuinfo cannot be read (then no answer is shared across processes)."""
+    import platform
+
+    import cpuinfo
+
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    kept = [line for line in text.splitlines() if line.split(":", 1)[0].strip() in CPU_INFO_FIELDS]
+    if not kept:
+        return None
+    digest = hashlib.sha256("\n".join([platform.machine(), str(getattr(cpuinfo, "CPUINFO_VERSION_STRING", "")),
+                                        *kept]).encode())
+    return digest.hexdigest()
+
+
+def _shared_cpu_info(root: Path, ask):
+    """`ask()`'s answer, read from root/CPU_INFO_CACHE when it was written for this machine's
+    fingerprint, else asked and written there (atomically; a cache that cannot be read or written is
+    asked around, never an error): every rank of every launch on one machine asks the same question."""
+    key = _cpu_fingerprint()
+    path = root / CPU_INFO_CACHE
+    if key is not None:
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("fingerprint") == key and isinstance(doc.get("info"), dict) and doc["info"]:
+                return doc["info"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    info = ask()
+    if key is not None and isinstance(info, dict) and info:  # py-cpuinfo answers {} when its probe failed
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"fingerprint": key, "info": info}, sort_keys=True))
+            os.replace(tmp, path)
+        except (OSError, TypeError, ValueError):
+            pass
+    return info
+
+
+def probe_cpu_once(root: Path | None = None) -> None:
+    """py-cpuinfo's answer cached for this process and, given the extensions root, for this machine.
+    DeepSpeed's CPU op builders ask it twice per op load (deepspeed/ops/op_builder/builder.py,
+    OpBuilder.cpu_arch and simd_width, which cpu/builder.py cxx_args calls on every jit_load, a
+    cached build included), and py-cpuinfo answers each call by running itself in a fresh Python
+    process, which runs CPUID in a multiprocessing child of its own (cpuinfo/cpuinfo.py,
+    get_cpu_info -> get_cpu_info_json; _get_cpu_info_from_cpuid): 1.2 CPU s and 1.2 s wall a call,
+    measured here (2026-12-06, `python -c "import cpuinfo; cpuinfo.get_cpu_info()"`), in every rank of
+    every DeepSpeed launch. The CPU does not change under a running process, nor while /proc/cpuinfo
+    reads the same (_shared_cpu_info). Each caller gets its own copy (cpu_arch edits the dict on
+    aarch64); an exception is not cached. Idempotent."""
     try:
         import cpuinfo
     except ImportError:
         return  # DeepSpeed falls back to lscpu itself
     if hasattr(cpuinfo.get_cpu_info, "__wrapped__"):
         return
-    asked = functools.cache(cpuinfo.get_cpu_info)
+    probe = cpuinfo.get_cpu_info
+    asked = functools.cache(probe if root is None else (lambda: _shared_cpu_info(root, probe)))
 
-    @functools.wraps(cpuinfo.get_cpu_info)
+    @functools.wraps(probe)
     def get_cpu_info():
         return copy.deepcopy(asked())
 
@@ -247,8 +306,8 @@ def build_op(name: str) -> float:
     took (recorded there when it compiled, for the next estimate)."""
     from deepspeed.accelerator import get_accelerator
 
-    probe_cpu_once()
     root = use_install_extensions_dir()
+    probe_cpu_once(root)
     was_cached = (root / name / f"{name}.so").is_file()
     start = time.perf_counter()
     get_accelerator().create_op_builder(OPS[name]).load(verbose=False)

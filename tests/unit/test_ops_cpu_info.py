@@ -41,3 +41,42 @@ def test_the_builder_probes_the_cpu_once_per_process():
         assert first[0] and first[1]
     finally:
         cpuinfo.get_cpu_info = unpatched
+
+
+def test_one_machine_probes_once_across_processes(tmp_path):
+    """With the extensions root, the answer is kept in root/CPU_INFO_CACHE under the machine's
+    fingerprint: a later process (here: the cache re-made, as a new rank makes it) reads it without a
+    probe; a file written for another fingerprint, or damaged, is probed again and rewritten."""
+    import json
+
+    import cpuinfo
+
+    from memkit.train import ops
+
+    unpatched = cpuinfo.get_cpu_info
+    path = tmp_path / ops.CPU_INFO_CACHE
+    key = ops._cpu_fingerprint()
+    if key is None:
+        pytest.skip("no /proc/cpuinfo here: the answer is cached per process only")
+
+    def fresh_process_asks() -> tuple[dict, float]:
+        cpuinfo.get_cpu_info = unpatched
+        ops.probe_cpu_once(tmp_path)
+        before = _children_cpu_s()
+        info = cpuinfo.get_cpu_info()
+        return info, _children_cpu_s() - before
+
+    try:
+        first, spent = fresh_process_asks()
+        assert spent > 0 and first["arch"] and first["flags"]
+        assert json.loads(path.read_text()) == {"fingerprint": key, "info": first}
+        second, spent = fresh_process_asks()
+        assert second == first and spent == 0
+        path.write_text(json.dumps({"fingerprint": "another machine", "info": {"arch": "PPC_", "flags": []}}))
+        third, spent = fresh_process_asks()
+        assert third == first and spent > 0 and json.loads(path.read_text())["fingerprint"] == key
+        path.write_text("{not json")
+        fourth, spent = fresh_process_asks()
+        assert fourth == first and spent > 0
+    finally:
+        cpuinfo.get_cpu_info = unpatched
