@@ -318,9 +318,9 @@ class TrainingPlan:
         """Raise MemkitError for any knob out of range or contradictory; return self. With the
         hardware's GPU count, dp x tp x pp must equal it; with the model's decoder blocks, partial
         checkpointing K must be below it (memkit/plan/techniques.py)."""
-        for f, choices, ranged in _declared():  # each knob's declared choices and lower bound (knob(...) above)
-            value = getattr(self, f.name)
-            if ranged or (choices is not None and value not in choices):
+        declared, read, tests = _declared()  # each knob's declared choices and range (knob(...) above)
+        for f, valid, value in zip(declared, tests, read(self)):
+            if not valid(value):
                 _check_declared(f, value)
         for error in (checkpointing_error(self.checkpointing),
                       loss_knob_error(self.loss, tp=self.tp, pp=self.pp),
@@ -453,10 +453,31 @@ def flag_name(f) -> str:
 
 @functools.cache
 def _declared() -> tuple:
-    """(field, its declared choices or None, whether it declares a range) of every TrainingPlan
-    knob, worked out once: validate() runs for every plan the planner estimates, and a value among
-    its choices needs no more of _check_declared."""
-    return tuple((f, knob_choices(f), f.metadata.get("range") is not None) for f in fields(TrainingPlan))
+    """(the knobs that declare choices or a range, an attrgetter of their values, each one's `valid`),
+    worked out once: validate() runs for every plan the planner builds, and a value `valid(value)` accepts is one _check_declared accepts (its choices,
+    its range as _check_declared reads it), so only a value it refuses pays for the full check and
+    its message."""
+    declared = [f for f in fields(TrainingPlan) if knob_choices(f) is not None or f.metadata.get("range")]
+    return tuple(declared), attrgetter(*(f.name for f in declared)), tuple(map(_accepts, declared))
+
+
+def _accepts(f):
+    """A predicate true only of values _check_declared(f, value) accepts (False: ask it), for a
+    knob that declares choices or a range (one that declares neither accepts every value)."""
+    choices = knob_choices(f)
+    bounds = f.metadata.get("range")
+    if bounds is not None:
+        lo, hi, _ = bounds
+        if isinstance(lo, int) and not isinstance(lo, bool) and isinstance(f.default, int):
+            in_range = lambda v: isinstance(v, int) and v >= lo  # noqa: E731
+        elif isinstance(f.default, float):
+            in_range = lambda v: isinstance(v, (int, float)) and lo <= v <= hi  # noqa: E731
+        else:
+            in_range = lambda v: False  # noqa: E731  # neither kind: _check_declared decides
+        if choices is None:
+            return in_range
+        return lambda v: v in choices and in_range(v)
+    return choices.__contains__
 
 
 def _check_declared(f, value) -> None:
