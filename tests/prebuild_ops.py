@@ -24,9 +24,9 @@ def prebuild(ops=OPS) -> dict[str, float]:
     (DeepSpeed then falls back or fails exactly as it would in the run)."""
     from deepspeed.accelerator import get_accelerator
 
-    from memkit.train.ops import probe_cpu_once, use_install_extensions_dir
+    from memkit.train.ops import use_install_extensions_dir
 
-    probe_cpu_once(use_install_extensions_dir())  # each load asks py-cpuinfo twice (memkit/train/ops.py)
+    use_install_extensions_dir()
     took = {}
     for name in ops:
         builder = get_accelerator().create_op_builder(name)
