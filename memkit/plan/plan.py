@@ -454,9 +454,9 @@ def flag_name(f) -> str:
 @functools.cache
 def _declared() -> tuple:
     """(the knobs that declare choices or a range, an attrgetter of their values, each one's `valid`),
-    worked out once: validate() runs for every plan the planner builds, and a value `valid(value)` accepts is one _check_declared accepts (its choices,
-    its range as _check_declared reads it), so only a value it refuses pays for the full check and
-    its message."""
+    worked out once: validate() runs for every plan the planner builds, and a value `valid(value)`
+    accepts is one _check_declared accepts (its choices, its range as _check_declared reads it), so
+    only a value it refuses pays for the full check and its message."""
     declared = [f for f in fields(TrainingPlan) if knob_choices(f) is not None or f.metadata.get("range")]
     return tuple(declared), attrgetter(*(f.name for f in declared)), tuple(map(_accepts, declared))
 
