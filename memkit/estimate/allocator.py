@@ -89,10 +89,17 @@ def allocation_size(size: int) -> int:
 class _Block:
     __slots__ = ("addr", "size", "small", "prev", "next", "free")
 
-    def __init__(self, addr: int, size: int, small: bool):
+    def __init__(self, addr: int, size: int, small: tuple[int, bool]):
         self.addr, self.size, self.small = addr, size, small
         self.prev = self.next = None
         self.free = True
+
+
+_ADDR_BITS = 64
+"""A pool holds its free blocks as the ints size << _ADDR_BITS | addr, sorted: the order of
+(size, addr) pairs (std::set's BlockComparatorSize, size then address) with int compares.
+Addresses stay below 2**64 (segments are laid out from 0, _new_memory / _expand)."""
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
 
 
 class CachingAllocator:
@@ -100,9 +107,9 @@ class CachingAllocator:
 
     def __init__(self, config: AllocatorConfig = AllocatorConfig()):
         self.cfg = config
-        # (stream, small) -> free blocks as sorted (size, addr): blocks are reused only on the
+        # (stream, small) -> free blocks, sorted (_ADDR_BITS): blocks are reused only on the
         # stream that allocated them ("Allocations are associated with a stream", file header).
-        self.pools: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self.pools: dict[tuple[int, bool], list[int]] = {}
         self.blocks: dict[int, _Block] = {}  # addr -> free block in a pool
         self.live: dict[object, tuple[_Block | None, int]] = {}
         self.expandable: dict[tuple[int, bool], _Block] = {}  # pool -> last block of its expandable segment
@@ -120,17 +127,22 @@ class CachingAllocator:
         self.requested += size
         if self.requested > self.requested_peak:
             self.requested_peak = self.requested
-        if not self.cfg.caching:
+        cfg = self.cfg
+        if not cfg.caching:
             live[key] = (None, size)
             self.allocated = self.reserved = self.requested
             self.allocated_peak = self.reserved_peak = self.requested_peak
             return
         rounded = K_MIN_BLOCK if size < K_MIN_BLOCK else -(-size // K_MIN_BLOCK) * K_MIN_BLOCK  # round_size()
         small = (stream, rounded <= K_SMALL_SIZE)
-        block = self._find_free(rounded, small) if small in self.pools else None
+        block = self._find_free(rounded, small)
         if block is None:
             block = self._new_memory(rounded, small)
-        if block.size - rounded >= K_MIN_BLOCK and self._should_split(block, rounded):
+        remaining = block.size - rounded
+        # should_split(): the remainder is cached when >= 512 B (small pool or expandable
+        # segments), or > 1 MiB (large pool, a request below max_split_size)
+        if remaining >= K_MIN_BLOCK and (remaining > K_SMALL_SIZE or small[1] or cfg.expandable_segments) and (
+                small[1] or cfg.expandable_segments or cfg.max_split_size is None or rounded < cfg.max_split_size):
             self._split(block, rounded)
         block.free = False  # alloc_found_block()
         live[key] = (block, size)
@@ -146,20 +158,22 @@ class CachingAllocator:
             return
         self.allocated -= block.size
         block.free = True
-        for other in (block.prev, block.next):  # try_merge_blocks()
-            if other is not None and other.free:
-                self._pool_remove(other)
-                if other is block.prev:
-                    block.addr, block.prev = other.addr, other.prev
-                    if other.prev is not None:
-                        other.prev.next = block
-                else:
-                    block.next = other.next
-                    if other.next is not None:
-                        other.next.prev = block
-                    if self.expandable and self.expandable.get(block.small) is other:
-                        self.expandable[block.small] = block
-                block.size += other.size
+        other = block.prev
+        if other is not None and other.free:  # try_merge_blocks(), the block before
+            self._pool_remove(other)
+            block.addr, block.prev = other.addr, other.prev
+            if other.prev is not None:
+                other.prev.next = block
+            block.size += other.size
+        other = block.next
+        if other is not None and other.free:  # and the block after
+            self._pool_remove(other)
+            block.next = other.next
+            if other.next is not None:
+                other.next.prev = block
+            if self.expandable and self.expandable.get(block.small) is other:
+                self.expandable[block.small] = block
+            block.size += other.size
         self._pool_insert(block)
 
     def stats(self) -> ReplayStats:
@@ -167,32 +181,39 @@ class CachingAllocator:
                            requested_peak_bytes=self.requested_peak, num_segments=self.segments,
                            ran_out=self.ran_out)
 
+    def free_blocks(self, stream: int = 0, small: bool = False) -> list[tuple[int, int]]:
+        """The pool's cached free blocks as (size, addr), in best-fit order."""
+        return [(entry >> _ADDR_BITS, entry & _ADDR_MASK) for entry in self.pools.get((stream, small), ())]
+
     # -- pools ----------------------------------------------------------------------------
     def _pool_insert(self, block: _Block) -> None:
-        insort(self.pools.setdefault(block.small, []), (block.size, block.addr))
+        pool = self.pools.get(block.small)
+        if pool is None:
+            pool = self.pools[block.small] = []
+        insort(pool, block.size << _ADDR_BITS | block.addr)
         self.blocks[block.addr] = block
 
     def _pool_remove(self, block: _Block) -> None:
         pool = self.pools[block.small]
-        i = bisect_left(pool, (block.size, block.addr))
-        del pool[i]
+        del pool[bisect_left(pool, block.size << _ADDR_BITS | block.addr)]
         del self.blocks[block.addr]
 
-    def _find_free(self, size: int, small: bool) -> _Block | None:
+    def _find_free(self, size: int, small: tuple[int, bool]) -> _Block | None:
         """get_free_block(): best fit, with the max_split_size rules for oversize blocks."""
         pool = self.pools.get(small)
         if not pool:
             return None
-        i = bisect_left(pool, (size, -1))
+        i = bisect_left(pool, size << _ADDR_BITS)
         if i == len(pool):
             return None
-        tail = self.expandable.get(small)
-        if tail is not None and pool[i][1] == tail.addr and i + 1 < len(pool):
-            # get_free_block() with expandable segments: best fit by the size a block can expand to,
-            # its own plus the unmapped rest of the segment behind it, so the free tail is passed over
-            # for the next block in size order (any other block's expandable size is its size)
-            i += 1
-        addr = pool[i][1]
+        if self.expandable:
+            tail = self.expandable.get(small)
+            if tail is not None and pool[i] & _ADDR_MASK == tail.addr and i + 1 < len(pool):
+                # get_free_block() with expandable segments: best fit by the size a block can expand
+                # to, its own plus the unmapped rest of the segment behind it, so the free tail is passed
+                # over for the next block in size order (any other block's expandable size is its size)
+                i += 1
+        addr = pool[i] & _ADDR_MASK
         block = self.blocks[addr]
         limit = self.cfg.max_split_size
         if limit is not None:  # get_free_block(): the oversize rules hold with expandable segments too
@@ -202,20 +223,6 @@ class CachingAllocator:
                 return None
         del pool[i]  # _pool_remove(block): it is pool[i]
         del self.blocks[addr]
-        return block
-
-    def _should_split(self, block: _Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.small[1] or self.cfg.expandable_segments:
-            return remaining >= K_MIN_BLOCK
-        limit = self.cfg.max_split_size
-        return (limit is None or size < limit) and remaining > K_SMALL_SIZE
-
-    def _take(self, block: _Block, size: int) -> _Block:
-        """alloc_found_block(): split off the remainder when should_split() says so."""
-        if self._should_split(block, size):
-            self._split(block, size)
-        block.free = False
         return block
 
     def _split(self, block: _Block, size: int) -> None:
@@ -284,8 +291,8 @@ class CachingAllocator:
     def _release_cached(self) -> None:
         """release_cached_blocks(): return every whole free segment (or free expandable tail)."""
         for small in list(self.pools):
-            for size, addr in list(self.pools[small]):
-                block = self.blocks[addr]
+            for entry in list(self.pools[small]):
+                block = self.blocks[entry & _ADDR_MASK]
                 if block.prev is None and block.next is None:
                     self._pool_remove(block)
                     self.reserved -= block.size

@@ -31,6 +31,7 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
     pos: dict[str, int] = {}
     events: list = []
     append = events.append
+    total_get = total.get
     for moment in moments:
         # the components that change, in a fixed order (the replay is deterministic): those seen
         # before in the order first seen, then the moment's new ones in its own order. Only the
@@ -38,11 +39,12 @@ def moment_events(moments: list[dict[str, int]], chunks: dict[str, tuple[int, ..
         # over every component seen so far (a variable-length replay renames each step's
         # components by its length: estimate/varlen.py).
         get = moment.get
-        for n, v in moment.items():
-            if v and n not in rank:
+        changed = [n for n, v in moment.items() if v != total_get(n, 0)]
+        for n in changed:  # in the moment's order: a component seen for the first time gets its rank
+            if n not in rank:
                 rank[n] = len(rank)
-        changed = {n for n in nonzero if get(n, 0) != total[n]}
-        changed.update(n for n, v in moment.items() if v != total.get(n, 0))
+        if nonzero:  # live components the moment leaves out drop to 0
+            changed += [n for n in nonzero if n not in moment]
         if not changed:
             continue
         names = sorted(changed, key=rank.__getitem__)

@@ -53,7 +53,7 @@ def test_best_fit_and_fragmentation():
     alloc2.free("y")
     alloc2.malloc("w", 30 * MIB)
     assert alloc2.reserved == 40 * MIB + 30 * MIB + 20 * MIB
-    assert sorted(s for s, _ in alloc2.pools[(0, False)]) == [12 * MIB, 40 * MIB]  # 20-8 MiB and 40 MiB left
+    assert sorted(s for s, _ in alloc2.free_blocks(0, False)) == [12 * MIB, 40 * MIB]  # 20-8 MiB and 40 MiB left
 
 
 def test_freed_neighbours_merge():
@@ -65,7 +65,7 @@ def test_freed_neighbours_merge():
         alloc.malloc(k, 20 * MIB)
     for k in "acb":
         alloc.free(k)
-    assert alloc.pools[(0, False)] == [(60 * MIB, 0)]
+    assert alloc.free_blocks(0, False) == [(60 * MIB, 0)]
 
 
 def test_max_split_size_keeps_oversize_blocks_whole():
