@@ -20,14 +20,16 @@ def pytest_collection_modifyitems(config, items):
 
     Each file is one xdist_group (pyproject: --dist loadgroup), so a file's tests run on one
     worker and its module-scoped fixtures (one launched run shared by the assertions that read
-    it) run once, as under --dist loadfile; a file that sets SPREAD_OVER_WORKERS = True (tests
-    that share nothing costly, e.g. one `memkit suggest` each) has its tests handed out one by
-    one, so both workers share it."""
+    it) run once, as under --dist loadfile. A file whose tests share nothing but warm caches
+    defines WORKER_GROUP(item) -> str instead: its tests are grouped by that name, so both workers
+    share the file while the tests that reuse each other's work (the replay memo of
+    estimate/memory.py, say) stay in one process."""
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-        if not getattr(getattr(item, "module", None), "SPREAD_OVER_WORKERS", False):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        file = item.nodeid.split("::")[0]
+        grouping = getattr(getattr(item, "module", None), "WORKER_GROUP", None)
+        item.add_marker(pytest.mark.xdist_group(f"{file}::{grouping(item)}" if grouping else file))
 
 
 class _LongFilesFirst:
