@@ -24,9 +24,11 @@ def prebuild(ops=OPS) -> dict[str, float]:
     (DeepSpeed then falls back or fails exactly as it would in the run)."""
     from deepspeed.accelerator import get_accelerator
 
-    from memkit.train.ops import use_install_extensions_dir
+    from memkit.train.ops import probe_cpu_once, use_install_extensions_dir
 
-    use_install_extensions_dir()
+    # py-cpuinfo asked once per machine, as every memkit launch asks it (memkit/train/ops.py
+    # probe_cpu_once): each builder load below asks it twice, 1.2 s a time otherwise
+    probe_cpu_once(use_install_extensions_dir())
     took = {}
     for name in ops:
         builder = get_accelerator().create_op_builder(name)

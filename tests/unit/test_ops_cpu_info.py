@@ -17,6 +17,12 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _unpatched(cpuinfo):
+    """py-cpuinfo's own get_cpu_info, whatever this process did before: tests/conftest.py's
+    prebuild() (tests/prebuild_ops.py) may already have routed it through probe_cpu_once."""
+    return getattr(cpuinfo.get_cpu_info, "__wrapped__", cpuinfo.get_cpu_info)
+
+
 def test_the_builder_probes_the_cpu_once_per_process():
     import cpuinfo
     from deepspeed.accelerator import get_accelerator
@@ -24,7 +30,8 @@ def test_the_builder_probes_the_cpu_once_per_process():
     from memkit.train.ops import OPS, probe_cpu_once
 
     builder = get_accelerator().create_op_builder(OPS["fused_adam"])
-    unpatched = cpuinfo.get_cpu_info
+    before_test, unpatched = cpuinfo.get_cpu_info, _unpatched(cpuinfo)
+    cpuinfo.get_cpu_info = unpatched
     try:
         probe_cpu_once()
         probe_cpu_once()  # idempotent: one cache, not a cache of a cache
@@ -40,7 +47,7 @@ def test_the_builder_probes_the_cpu_once_per_process():
         assert cpuinfo.get_cpu_info()["flags"] != "changed"
         assert first[0] and first[1]
     finally:
-        cpuinfo.get_cpu_info = unpatched
+        cpuinfo.get_cpu_info = before_test
 
 
 def test_one_machine_probes_once_across_processes(tmp_path):
@@ -53,7 +60,7 @@ def test_one_machine_probes_once_across_processes(tmp_path):
 
     from memkit.train import ops
 
-    unpatched = cpuinfo.get_cpu_info
+    before_test, unpatched = cpuinfo.get_cpu_info, _unpatched(cpuinfo)
     path = tmp_path / ops.CPU_INFO_CACHE
     key = ops._cpu_fingerprint()
     if key is None:
@@ -79,4 +86,4 @@ def test_one_machine_probes_once_across_processes(tmp_path):
         fourth, spent = fresh_process_asks()
         assert fourth == first and spent > 0
     finally:
-        cpuinfo.get_cpu_info = unpatched
+        cpuinfo.get_cpu_info = before_test
