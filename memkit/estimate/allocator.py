@@ -98,7 +98,9 @@ class _Block:
 _ADDR_BITS = 64
 """A pool holds its free blocks as the ints size << _ADDR_BITS | addr, sorted: the order of
 (size, addr) pairs (std::set's BlockComparatorSize, size then address) with int compares.
-Addresses stay below 2**64 (segments are laid out from 0, _new_memory / _expand)."""
+Addresses stay below 2**64: segments are laid out from 0 with 20 MiB gaps (_new_memory), and each
+new expandable mapping moves the next address on by 2**40 (_expand), so a replay would need 2**24
+of those to get there."""
 _ADDR_MASK = (1 << _ADDR_BITS) - 1
 
 

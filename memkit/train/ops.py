@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from memkit.errors import MemkitError
+from memkit.fileio import write_text_atomic
 from memkit.plan.plan import TrainingPlan
 
 OPS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
@@ -266,10 +268,9 @@ def _shared_cpu_info(root: Path, ask):
     if key is not None and isinstance(info, dict) and info:  # py-cpuinfo answers {} when its probe failed
         try:
             root.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({"fingerprint": key, "info": info}, sort_keys=True))
-            os.replace(tmp, path)
-        except (OSError, TypeError, ValueError):
+            write_text_atomic(path, json.dumps({"fingerprint": key, "info": info}, sort_keys=True),
+                              what="py-cpuinfo cache")
+        except (OSError, TypeError, ValueError, MemkitError):
             pass
     return info
 
@@ -322,10 +323,8 @@ def _record_build_time(root: Path, name: str, seconds: float) -> None:
     try:
         times = json.loads(path.read_text()) if path.is_file() else {}
         times[name] = round(seconds, 1)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except (OSError, ValueError, TypeError, AttributeError):
+        write_text_atomic(path, json.dumps(times, indent=1, sort_keys=True), what="op build times")
+    except (OSError, ValueError, TypeError, AttributeError, MemkitError):
         pass  # an estimate only
 
 
